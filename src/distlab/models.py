@@ -1,0 +1,169 @@
+"""The course's models: the reference notes' MNIST CNN, ResNet-18 and a
+GPT-style transformer with size presets.
+
+Every model lists its ``shard_units``: the submodules FSDP wraps one by one
+(each becomes one all-gather in forward and one reduce-scatter in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .runtime import DistlabError
+
+
+class MnistCNN(nn.Module):
+    """Three 5x5 conv layers (1->32->64->128, each followed by ReLU and 2x2
+    max-pool: 28->14->7->3) and two linear layers (1152->128->10)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        side = image_size // 8
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * side * side, 128), nn.ReLU(), nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.features[0], self.features[3], self.features[6], self.classifier[1], self.classifier[3]]
+
+
+def resnet18(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18, first conv adapted to the input's channels."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    model = tv_resnet18(num_classes=num_classes)
+    if in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    model.shard_units = lambda: [model.layer1, model.layer2, model.layer3, model.layer4]
+    return model
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-style decoder."""
+
+    n_layer: int
+    """Transformer blocks."""
+    n_head: int
+    """Attention heads per block."""
+    d_model: int
+    """Width of the residual stream."""
+    vocab_size: int = 50304
+    """Vocabulary (GPT-2's 50257 rounded up to a multiple of 64)."""
+    seq_len: int = 1024
+    """Longest sequence (learned position embeddings)."""
+    dropout: float = 0.0
+    """Dropout; 0 keeps ranks bit-for-bit comparable."""
+
+
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64),
+    "gpt-small": GPTConfig(n_layer=12, n_head=12, d_model=768),
+    "gpt-medium": GPTConfig(n_layer=24, n_head=16, d_model=1024),
+    "gpt-large": GPTConfig(n_layer=36, n_head=20, d_model=1280),
+    "gpt-xl": GPTConfig(n_layer=48, n_head=25, d_model=1600),
+    "gpt-2.7b": GPTConfig(n_layer=32, n_head=32, d_model=2560),
+    "gpt-6.7b": GPTConfig(n_layer=32, n_head=32, d_model=4096),
+    "gpt-13b": GPTConfig(n_layer=40, n_head=40, d_model=5120),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder: token and position embeddings, pre-norm blocks,
+    a final LayerNorm and an output head tied to the token embedding."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def shard_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
+def gpt_param_count(cfg: GPTConfig) -> int:
+    """Parameters of :class:`GPT` from its shape alone (tied head counted once)."""
+    d, L = cfg.d_model, cfg.n_layer
+    per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return cfg.vocab_size * d + cfg.seq_len * d + L * per_block + 2 * d
+
+
+MODEL_NAMES = ["cnn", "resnet18", *GPT_PRESETS]
+
+
+def model_input_kind(name: str) -> str:
+    return "tokens" if name.startswith("gpt") else "image"
+
+
+def build_model(name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28, device: str | torch.device = "cpu") -> nn.Module:
+    """Build a model by name; ``device="meta"`` makes one of any size without memory."""
+    with torch.device(device):
+        if name == "cnn":
+            return MnistCNN(in_channels, num_classes, image_size)
+        if name == "resnet18":
+            return resnet18(in_channels, num_classes)
+        if name in GPT_PRESETS:
+            return GPT(GPT_PRESETS[name])
+    raise DistlabError(f"unknown model {name!r}: choose from {', '.join(MODEL_NAMES)}")
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied weight counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{1 if n < 10 * size else 0}f}{unit}"
+    return str(n)
+

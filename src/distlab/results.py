@@ -1,0 +1,107 @@
+"""Result files with provenance.
+
+Every number distlab reports is written by :func:`write_result` as JSON with
+what was measured, the configuration, and the environment it was measured in.
+Plots read the hardware label from that environment, never from the caller.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SCHEMA = "distlab.result/1"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _command_line() -> str:
+    """How this process was started (``python -u -m distlab.train ...`` under torchrun)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if argv:
+        argv[0] = Path(argv[0]).name
+    return " ".join(argv)
+
+
+def environment(device: torch.device | None = None) -> dict[str, Any]:
+    """What a reader needs to know to trust, or redo, a measurement."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "git_commit": _git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": _command_line(),
+    }
+    if dist.is_initialized():
+        env["backend"] = dist.get_backend()
+        env["world_size"] = dist.get_world_size()
+    else:
+        env["backend"], env["world_size"] = None, 1
+    if device is not None:
+        env["device"] = str(device)
+        env["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else env["cpu"]
+    return env
+
+
+def hardware_label(env: dict[str, Any]) -> str:
+    """A short label for plots: '2 x Tesla T4 (nccl)' or '4 gloo ranks on <cpu>'."""
+    n = env.get("world_size", 1)
+    if str(env.get("device", "cpu")).startswith("cuda"):
+        return f"{n} rank(s) on {env.get('device_name')} ({env.get('backend')})"
+    return f"{n} {env.get('backend') or 'cpu'} rank(s) on CPU ({env.get('cpu_count')} cores)"
+
+
+def write_result(path: str | os.PathLike, kind: str, config: dict[str, Any], metrics: Any, device: torch.device | None = None, **extra: Any) -> Path:
+    """Write one result file; the caller decides which rank writes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"schema": SCHEMA, "kind": kind, "config": config, "metrics": metrics, "environment": environment(device), **extra}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_result(path: str | os.PathLike) -> dict[str, Any]:
+    record = json.loads(Path(path).read_text())
+    if record.get("schema") != SCHEMA or "environment" not in record:
+        raise ValueError(f"{path} is not a distlab result file (no schema {SCHEMA!r} or no environment)")
+    return record

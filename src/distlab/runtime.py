@@ -1,0 +1,170 @@
+"""Start and end a process group, and know who we are in it.
+
+One context manager, :func:`distributed`, is the only place in distlab that
+calls ``init_process_group``. It reads torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); without it
+(a plain ``python`` run or a notebook cell) it makes a one-rank group in
+memory, so every code path can call collectives the same way.
+
+The backend follows the device: NCCL for CUDA, gloo otherwise. A group that
+is already initialised is reused and left alone on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class DistlabError(RuntimeError):
+    """A mistake in how distlab was called; its message says what to do.
+
+    Most such mistakes are the same on every rank, so only rank 0 reports
+    them; ``every_rank=True`` marks one that only some ranks hit.
+    """
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process stands in the job."""
+
+    rank: int
+    """Global rank, 0 .. world_size-1."""
+    local_rank: int
+    """Rank on this machine; picks the GPU."""
+    world_size: int
+    """Number of ranks in the job."""
+    device: torch.device
+    """Device this rank computes on."""
+    backend: str
+    """``nccl`` or ``gloo``."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def log(self, *args, **kwargs) -> None:
+        """Print on rank 0 only, flushed so progress shows under torchrun."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def describe(self) -> str:
+        return f"{self.world_size} rank(s), backend {self.backend}, device {self.device.type}"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def resolve_device(device: str, local_rank: int, backend: str = "auto") -> torch.device:
+    """Turn ``auto|cpu|cuda`` into this rank's device, or say why not."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise DistlabError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistlabError(
+            "--device cuda was asked for but this machine has no usable CUDA GPU; "
+            "run with --device cpu (gloo) instead"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        if backend == "gloo":
+            # gloo lets several ranks share one GPU (NCCL refuses it).
+            return torch.device("cuda", local_rank % count)
+        raise DistlabError(
+            f"local rank {local_rank} needs GPU {local_rank} but only {count} GPU(s) are visible: "
+            f"use --nproc_per_node={count}, or --backend gloo to share GPUs, or --device cpu",
+            every_rank=True,
+        )
+    return torch.device("cuda", local_rank)
+
+
+def pick_backend(device: torch.device, backend: str = "auto") -> str:
+    if backend not in ("auto", "gloo", "nccl"):
+        raise DistlabError(f"unknown backend {backend!r}: use auto, gloo or nccl")
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise DistlabError("the nccl backend needs CUDA tensors: use --backend gloo with --device cpu")
+    return backend
+
+
+@contextmanager
+def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Runtime]:
+    """Run the body inside a process group; tear it down however the body ends.
+
+    ``timeout_s`` bounds every collective, so a rank whose peer died raises an
+    error instead of waiting forever.
+    """
+    launched = "WORLD_SIZE" in os.environ
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+
+    target = resolve_device(device, local_rank, backend)
+    chosen = pick_backend(target, backend)
+    if target.type == "cuda":
+        torch.cuda.set_device(target)
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        kwargs = dict(backend=chosen, timeout=timedelta(seconds=timeout_s))
+        if chosen == "nccl":
+            kwargs["device_id"] = target
+        if launched:
+            dist.init_process_group(**kwargs)
+        else:
+            # One rank, no launcher: an in-memory store needs no port.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        chosen = dist.get_backend()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)
+    try:
+        yield runtime
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_main(main, argv=None) -> None:
+    """Call ``main(argv)`` and turn the errors a user can fix into one line.
+
+    A :class:`DistlabError` is the user's to fix; a ``DistError`` on one rank
+    usually means another rank died first, whose own message is the one to read.
+    """
+    rank = os.environ.get("RANK", "0")
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")  # one write: lines of concurrent ranks stay whole
+        sys.stderr.flush()
+
+    try:
+        main(argv)
+    except DistlabError as err:
+        if rank == "0" or err.every_rank:
+            say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
+        raise SystemExit(2) from None
+    except dist.DistError as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        say(f"distlab: rank {rank} lost contact with its peers ({first_line}); another rank most likely failed first: read its error above")
+        raise SystemExit(3) from None
+    except KeyboardInterrupt:
+        say(f"distlab: rank {rank} interrupted")
+        raise SystemExit(130) from None

@@ -1,0 +1,112 @@
+"""The command line, end to end under torchrun: result files with
+provenance, and one clear line for each mistake a user makes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+
+QUICK = ["--model", "cnn", "--device", "cpu", "--epochs", "1", "--max-steps", "3", "--batch-size", "16", "--synthetic-size", "256", "--num-workers", "0"]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _check_result(path: Path, strategy: str, world_size: int) -> dict:
+    record = json.loads(path.read_text())
+    assert record["schema"] == "distlab.result/1" and record["kind"] == "train"
+    assert record["config"]["strategy"] == strategy
+    env = record["environment"]
+    for key in ("torch", "cuda", "nccl", "backend", "world_size", "device", "device_name", "cpu", "git_commit", "date", "command"):
+        assert key in env, key
+    assert env["torch"] == torch.__version__ and env["backend"] == "gloo" and env["world_size"] == world_size
+    (epoch,) = record["metrics"]["epochs"]
+    assert epoch["steps"] == 3 and epoch["samples_per_s"] > 0 and 0 <= epoch["test_accuracy"] <= 1
+    assert record["metrics"]["parameters"] == 405_898
+    return record
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_train_entry_point_on_two_gloo_ranks_writes_a_result(tmp_path, strategy):
+    run = torchrun(2, "-m", "distlab.train", "--strategy", strategy, "--dataset", "synthetic", "--out", str(tmp_path), *QUICK)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _check_result(tmp_path / f"{strategy}-cnn-synthetic-2xcpu.json", strategy, 2)
+    assert run.stdout.count("distlab: ") == 1, "only rank 0 logs"
+
+
+def test_single_on_real_mnist_files(tmp_path, tiny_mnist):
+    run = torchrun(1, "-m", "distlab.train", "--strategy", "single", "--dataset", "mnist", "--data-dir", str(tiny_mnist), "--no-download", "--out", str(tmp_path), *QUICK)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = _check_result(tmp_path / "single-cnn-mnist-1xcpu.json", "single", 1)
+    assert record["metrics"]["epochs"][0]["steps"] == 3
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "distlab.train", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in ("--strategy", "--model", "--dataset", "--device", "--epochs", "--out", "--accum-steps", "--loader", "--precision"):
+        assert flag in out
+
+
+def _error_line(run: subprocess.CompletedProcess) -> str:
+    lines = [line for line in run.stderr.splitlines() if line.startswith("distlab:")]
+    assert lines, run.stderr[-3000:]
+    return lines[0]
+
+
+def test_single_strategy_on_two_ranks_is_a_clear_error(tmp_path):
+    run = torchrun(2, "-m", "distlab.train", "--strategy", "single", "--out", str(tmp_path), *QUICK)
+    assert run.returncode != 0
+    line = _error_line(run)
+    assert "--nproc_per_node=1" in line and "Traceback" not in run.stderr.split(line)[0][-200:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "distlab.train", "--device", "cuda", "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().startswith("distlab: error:") and "--device cpu" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_missing_dataset_without_download_is_one_line(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "distlab.train", "--dataset", "mnist", "--no-download", "--data-dir", str(tmp_path / "empty"), "--device", "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert len(run.stderr.strip().splitlines()) == 1 and "--dataset synthetic" in run.stderr
+
+
+DEAD_RANK_SCRIPT = """
+import os, torch, torch.distributed as dist
+from distlab.runtime import distributed, run_main
+
+def main(argv):
+    with distributed("cpu", timeout_s=20) as rt:
+        dist.barrier()
+        if rt.rank == 1:
+            os._exit(17)  # dies without a word, as an OOM-killed rank would
+        dist.all_reduce(torch.ones(4))
+
+run_main(main)
+"""
+
+
+def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(DEAD_RANK_SCRIPT)
+    started = time.monotonic()
+    run = torchrun(2, str(script), timeout=120)
+    assert run.returncode != 0
+    assert time.monotonic() - started < 90
+    assert "exitcode  : 17" in run.stderr or "exit code 17" in run.stderr or "17" in run.stderr
