@@ -82,11 +82,12 @@ def environment(device: torch.device | None = None) -> dict[str, Any]:
 
 
 def hardware_label(env: dict[str, Any]) -> str:
-    """A short label for plots: '2 x Tesla T4 (nccl)' or '4 gloo ranks on <cpu>'."""
-    n = env.get("world_size", 1)
+    """The machine a result was measured on, for plot titles: GPU name and
+    backend on CUDA, CPU model and core count otherwise."""
     if str(env.get("device", "cpu")).startswith("cuda"):
-        return f"{n} rank(s) on {env.get('device_name')} ({env.get('backend')})"
-    return f"{n} {env.get('backend') or 'cpu'} rank(s) on CPU ({env.get('cpu_count')} cores)"
+        gpus = env.get("gpus") or [env.get("device_name")]
+        return f"{len(gpus)} x {env.get('device_name')} ({env.get('backend')})"
+    return f"CPU: {env.get('cpu')}, {env.get('cpu_count')} cores ({env.get('backend') or 'no backend'})"
 
 
 def write_result(path: str | os.PathLike, kind: str, config: dict[str, Any], metrics: Any, device: torch.device | None = None, **extra: Any) -> Path:

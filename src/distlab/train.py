@@ -136,6 +136,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
         loader.set_epoch(epoch)
         model.train()
         totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+        step_losses = torch.zeros(steps, dtype=torch.float64, device=runtime.device)
         batches = iter(loader)
         start = time.perf_counter()
         for step in range(steps):
@@ -148,6 +149,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
                     losses, hits = loss_and_hits(logits, targets)
                     precision.scaler.scale(losses.mean() / cfg.accum_steps).backward()
                 totals += torch.stack([losses.detach().sum().double(), hits.sum().double(), torch.tensor(targets.numel(), dtype=torch.float64, device=runtime.device)])
+                step_losses[step] += losses.detach().mean().double() / cfg.accum_steps
             precision.scaler.step(optimizer)
             precision.scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -159,6 +161,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
             torch.cuda.synchronize(runtime.device)
         epoch_time = time.perf_counter() - start
         dist.all_reduce(totals)
+        dist.all_reduce(step_losses)  # one collective an epoch, not one a step
         test = evaluate(model, test_set, runtime, cfg.eval_batch_size, precision)
         record = {
             "epoch": epoch + 1,
@@ -169,6 +172,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
             "epoch_time_s": epoch_time,
             "samples_per_s": steps * global_batch / epoch_time,
             "steps": steps,
+            "step_loss": (step_losses / runtime.world_size).tolist(),
         }
         result.history.append(record)
         runtime.log(f"epoch {epoch + 1}/{cfg.epochs} | train loss {record['train_loss']:.4f} | test loss {test['loss']:.4f} acc {100 * test['accuracy']:.2f}% | {epoch_time:.1f}s, {record['samples_per_s']:,.0f} samples/s")

@@ -1,0 +1,84 @@
+"""Run a torchrun job from a notebook or a chapter and collect its results.
+
+``mp.spawn`` cannot pickle functions defined in a notebook, so notebooks
+write a script (or name a module) and run it under torchrun in a
+subprocess. Output streams live, so progress shows while it runs; on
+failure the error is the job's own ``distlab:`` lines, not torchrun's
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .results import read_result
+from .runtime import DistlabError
+
+
+@dataclass
+class JobOutput:
+    returncode: int
+    output: str
+
+
+def torchrun(target: str, *args: str, nproc: int = 2, echo: bool = True, timeout_s: float = 1800, threads_per_rank: int | None = None) -> JobOutput:
+    """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
+
+    ``target`` is a ``.py`` path or a module name (``distlab.train``).
+    ``threads_per_rank`` defaults to the cores divided among the ranks, so a
+    one-rank run and a four-rank run use the same machine.
+    """
+    threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    module = not target.endswith(".py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += ["-m", target] if module else [target]
+    command += [str(a) for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a launcher inside a launched process would inherit the wrong job
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if echo and not _torchrun_noise(line):
+                print(line, end="", flush=True)
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped") from None
+    output = "".join(lines)
+    if process.returncode != 0:
+        ours = [line.strip() for line in lines if line.startswith("distlab:")]
+        reason = ours[0] if ours else (output.strip().splitlines() or ["no output"])[-1]
+        raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {reason}")
+    return JobOutput(process.returncode, output)
+
+
+def _torchrun_noise(line: str) -> bool:
+    """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
+    return "OMP_NUM_THREADS" in line or line.rstrip().endswith("*****************************************") or "site-packages/torch/distributed/run.py" in line
+
+
+def train(*args: str, nproc: int = 2, out: str | os.PathLike = "results", echo: bool = True) -> dict:
+    """Run ``distlab.train`` under torchrun and return the result it wrote."""
+    args = [str(a) for a in args]
+    run_name = _flag_value(args, "--run-name") or _default_name(args, nproc)
+    torchrun("distlab.train", *args, "--out", str(out), "--run-name", run_name, nproc=nproc, echo=echo)
+    return read_result(Path(out) / f"{run_name}.json")
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def _default_name(args: list[str], nproc: int) -> str:
+    from .config import TrainConfig
+
+    pick = lambda flag, default: _flag_value(args, flag) or default  # noqa: E731
+    base = TrainConfig()
+    return f"{pick('--strategy', base.strategy)}-{pick('--model', base.model)}-{pick('--dataset', base.dataset)}-{nproc}ranks"
