@@ -1,0 +1,128 @@
+"""The hand-written collectives equal torch.distributed's, on real gloo
+ranks, for awkward lengths, dtypes and views; and each sends the bytes its
+derivation says it sends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_ranks
+from distlab.collectives import ALL_REDUCES, Traffic, ring_all_gather, ring_reduce_scatter, segment_bounds
+
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
+
+
+def _rank_data(shape, dtype, rank: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=gen).to(dtype)
+
+
+def compare_all_reduces(runtime, lengths):
+    """Every implementation, every dtype, every length, contiguous or a
+    strided view: the result must equal dist.all_reduce of the same data."""
+    failures = []
+    n = runtime.world_size
+    cases = [(length, dtype) for length in lengths for dtype in DTYPES]
+    for seed, (length, dtype) in enumerate(cases):
+        expected = _rank_data((length,), dtype, runtime.rank, seed)
+        dist.all_reduce(expected)
+        for name, fn in ALL_REDUCES.items():
+            for layout in ("flat", "strided"):
+                data = _rank_data((length,), dtype, runtime.rank, seed)
+                if layout == "strided":
+                    # the same values as every other column of a (length, 2) tensor: not contiguous
+                    holder = torch.zeros((length, 2), dtype=dtype)
+                    holder[:, 1] = data
+                    view = holder[:, 1]
+                    assert length < 2 or not view.is_contiguous()
+                    out = fn(view) if name != "ring" else fn(view, chunk_bytes=64)
+                    assert out is view and torch.all(holder[:, 0] == 0)
+                else:
+                    out = fn(data) if name != "ring" else fn(data, chunk_bytes=64)
+                exact = not dtype.is_floating_point
+                ok = torch.equal(out, expected) if exact else torch.allclose(out, expected, rtol=1e-5, atol=1e-5 * n)
+                if not ok:
+                    failures.append(f"{name} {layout} length={length} {dtype}")
+    # a multi-dimensional, transposed tensor
+    matrix = _rank_data((7, 5), torch.float32, runtime.rank, 99).t()
+    expected = matrix.clone()
+    dist.all_reduce(expected)
+    for name, fn in ALL_REDUCES.items():
+        if not torch.allclose(fn(matrix.clone().t().contiguous().t()), expected, atol=1e-5):
+            failures.append(f"{name} transposed 5x7")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_hand_written_all_reduces_equal_dist_all_reduce(tmp_path, world_size):
+    # 1: shorter than the world; n-1, n+1: uneven segments; 1000: many 64-byte chunks per hop
+    lengths = sorted({1, world_size - 1, world_size + 1, 1000})
+    for failures in run_ranks(compare_all_reduces, world_size, tmp_path, lengths):
+        assert failures == []
+
+
+def compare_scatter_gather(runtime, length):
+    n, r = runtime.world_size, runtime.rank
+    data = _rank_data((length,), torch.float64, r, 7)
+    total = data.clone()
+    dist.all_reduce(total)
+    bounds = segment_bounds(length, n)
+    mine = ring_reduce_scatter(data.clone(), chunk_bytes=128)
+    a, b = bounds[(r + 1) % n]
+    scatter_ok = torch.allclose(mine, total[a:b])
+    # torch's own reduce-scatter, on equal segments, agrees with the ring on the same segment
+    if length % n == 0:
+        theirs = torch.empty(length // n, dtype=torch.float64)
+        dist.reduce_scatter_tensor(theirs, data.clone())
+        scatter_ok = scatter_ok and torch.allclose(theirs, total[(length // n) * r : (length // n) * (r + 1)])
+    # all-gather: each rank fills only the segment it owns
+    partial = torch.zeros(length, dtype=torch.float64)
+    partial[a:b] = total[a:b]
+    gathered = ring_all_gather(partial, chunk_bytes=128)
+    gather_ok = torch.allclose(gathered, total)
+    if length % n == 0:
+        shard = torch.arange(length // n, dtype=torch.float64) + 1000 * r
+        out = torch.empty(length, dtype=torch.float64)
+        dist.all_gather_into_tensor(out, shard)
+        ring_version = torch.zeros(length, dtype=torch.float64)
+        # put our shard where the ring expects this rank's segment, then gather
+        owner_of = {(rr + 1) % n: rr for rr in range(n)}
+        seg = length // n
+        ring_version[seg * ((r + 1) % n) : seg * ((r + 1) % n + 1)] = shard
+        ring_all_gather(ring_version)
+        by_rank = torch.cat([ring_version[seg * s : seg * (s + 1)] for s in sorted(owner_of, key=owner_of.get)])
+        gather_ok = gather_ok and torch.equal(by_rank, out)
+    return scatter_ok, gather_ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("length", [12, 1001])
+def test_reduce_scatter_and_all_gather_equal_torch(tmp_path, world_size, length):
+    for scatter_ok, gather_ok in run_ranks(compare_scatter_gather, world_size, tmp_path, length):
+        assert scatter_ok and gather_ok
+
+
+def count_traffic(runtime, numel):
+    sent = {}
+    for name, fn in ALL_REDUCES.items():
+        traffic = Traffic()
+        fn(torch.ones(numel), traffic=traffic)
+        sent[name] = traffic.bytes_sent
+    return sent
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bytes_sent_per_rank_match_the_derivation(tmp_path, world_size):
+    numel = 12 * 1024  # divisible by 2, 3 and 4
+    size = numel * 4
+    n = world_size
+    per_rank = run_ranks(count_traffic, world_size, tmp_path, numel)
+    for rank, sent in enumerate(per_rank):
+        assert sent["ring"] == 2 * (n - 1) * size // n
+        assert sent["naive_ring"] == (n - 1) * size
+        # rank 0 also receives (n-1) S before it can send: 2(n-1) S through one rank
+        assert sent["reduce_broadcast"] == ((n - 1) * size if rank == 0 else size)
