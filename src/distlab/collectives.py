@@ -20,12 +20,13 @@ receiver. All functions sum in place and return the tensor.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 @dataclass
@@ -109,40 +110,47 @@ def _chunks(segment: torch.Tensor, chunk_elems: int) -> list[torch.Tensor]:
     return list(segment.split(chunk_elems)) if segment.numel() else []
 
 
-def _ring_pass(flat: torch.Tensor, ring: _Ring, reduce: bool, chunk_bytes: int, traffic: Traffic | None) -> None:
+def _ring_pass(flat: torch.Tensor, ring: _Ring, reduce: bool, chunk_bytes: int, traffic: Traffic | None, depth: int = 2) -> None:
     """``n-1`` hops around the ring over ``n`` segments of ``flat``.
 
     Reduce-scatter (``reduce=True``): at hop ``s`` rank ``r`` sends segment
     ``r-s`` and adds what it receives into segment ``r-s-1``; afterwards it
     holds the full sum of segment ``r+1``. All-gather: rank ``r`` starts
     from that segment and passes completed segments on, copying what arrives.
+
+    Within a hop, ``depth`` chunks are on the wire while the chunk before
+    them is added, each into its own scratch buffer.
     """
     n, r = ring.size, ring.rank
     segments = [flat[a:b] for a, b in segment_bounds(flat.numel(), n)]
     chunk_elems = max(1, chunk_bytes // flat.element_size())
     offset = 0 if reduce else 1
-    scratch = [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(2)] if reduce else None
+    scratch = [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(depth + 1)] if reduce else []
     for hop in range(n - 1):
         send_chunks = _chunks(segments[(r + offset - hop) % n], chunk_elems)
         recv_chunks = _chunks(segments[(r + offset - hop - 1) % n], chunk_elems)
-        # Pipeline within the hop: chunk j+1 is on the wire while chunk j is added.
         count = max(len(send_chunks), len(recv_chunks))
+        if not reduce:  # nothing to compute on arrival: every chunk of the hop goes at once
+            _wait([w for j in range(count) for w in ring.exchange(_at(send_chunks, j), _at(recv_chunks, j), traffic)])
+            continue
 
         def post(j: int):
-            send = send_chunks[j] if j < len(send_chunks) else None
-            if j >= len(recv_chunks):
-                return ring.exchange(send, None, traffic), None
-            target = recv_chunks[j]
-            buffer = scratch[j % 2][: target.numel()] if reduce else target
-            return ring.exchange(send, buffer, traffic), buffer
+            target = _at(recv_chunks, j)
+            buffer = None if target is None else scratch[j % (depth + 1)][: target.numel()]
+            return ring.exchange(_at(send_chunks, j), buffer, traffic), buffer
 
-        pending = post(0) if count else None
+        in_flight = deque(post(j) for j in range(min(depth, count)))
         for j in range(count):
-            works, buffer = pending
+            works, buffer = in_flight.popleft()
             _wait(works)
-            pending = post(j + 1) if j + 1 < count else None
-            if reduce and buffer is not None:
+            if j + depth < count:
+                in_flight.append(post(j + depth))
+            if buffer is not None:
                 recv_chunks[j].add_(buffer)
+
+
+def _at(chunks: list[torch.Tensor], j: int) -> torch.Tensor | None:
+    return chunks[j] if j < len(chunks) else None
 
 
 @_host_staged

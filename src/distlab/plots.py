@@ -48,3 +48,47 @@ def plot_throughput(records: Sequence[dict], ax=None):
     ax.invert_yaxis()
     ax.set_title(_hardware_title(records), fontsize=9)
     return ax
+
+
+def _by_impl(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(row["impl"], []).append(row)
+    return grouped
+
+
+IMPL_STYLE = {"ring": ("tab:red", "o-"), "torch": ("black", "s--"), "naive_ring": ("tab:blue", "^-"), "reduce_broadcast": ("tab:green", "v-")}
+
+
+def plot_busbw(records: Sequence[dict], axes=None):
+    """Bus bandwidth against message size, one panel per bench result file."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(records), figsize=(4.6 * len(records), 3.8), sharey=True, squeeze=False)
+        axes = axes[0]
+    for ax, record in zip(axes, records):
+        for impl, rows in _by_impl(record["metrics"]).items():
+            color, style = IMPL_STYLE.get(impl, (None, "o-"))
+            ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], style, color=color, label=impl, ms=4)
+        env = record["environment"]
+        ax.set(xscale="log", xlabel="message size (bytes)", title=f"{env['world_size']} ranks, {env['backend']}")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("bus bandwidth (GB/s)")
+    axes[0].legend(fontsize=8)
+    axes[0].figure.suptitle(_hardware_title(records), fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def plot_time_model(record: dict, fit: dict, impl: str = "ring", ax=None):
+    """Measured median time of one implementation against the fitted alpha-beta model."""
+    ax = ax or plt.subplots(figsize=(5, 3.8))[1]
+    rows = _by_impl(record["metrics"])[impl]
+    sizes = [r["bytes"] for r in rows]
+    n = record["environment"]["world_size"]
+    ax.errorbar(sizes, [r["time_s"] for r in rows], yerr=[[r["time_s"] - r["time_q1_s"] for r in rows], [r["time_q3_s"] - r["time_s"] for r in rows]], fmt="o", color="tab:red", label=f"{impl}: measured median (quartiles)")
+    model = [2 * (n - 1) * fit["alpha_s"] + 2 * (n - 1) / n * s / fit["bandwidth_Bps"] for s in sizes]
+    ax.plot(sizes, model, "-", color="gray", label=f"model: alpha={fit['alpha_s'] * 1e6:.0f} us, B={fit['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="time (s)", title=f"{n} ranks: t = 2(n-1) alpha + 2(n-1)/n S/B")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    return ax

@@ -101,6 +101,17 @@ def write_result(path: str | os.PathLike, kind: str, config: dict[str, Any], met
     return path
 
 
+def committed_results(*parts: str) -> Path:
+    """``book/results/<parts>`` of this checkout, found from the package itself
+    (chapters execute in a scratch directory, so relative paths would break)."""
+    for base in (Path(__file__).resolve(), Path.cwd().resolve()):
+        for folder in base.parents:
+            candidate = folder / "book" / "results"
+            if candidate.is_dir():
+                return candidate.joinpath(*parts)
+    raise FileNotFoundError("no book/results folder above the distlab package or the working directory")
+
+
 def read_result(path: str | os.PathLike) -> dict[str, Any]:
     record = json.loads(Path(path).read_text())
     if record.get("schema") != SCHEMA or "environment" not in record:

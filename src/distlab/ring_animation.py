@@ -1,0 +1,76 @@
+"""A picture of the ring all-reduce, hop by hop, that plays without a kernel.
+
+The state is which ranks' contributions each rank holds for each segment;
+the frames follow exactly the schedule :mod:`distlab.collectives` runs
+(segment indices from the same formulas), so the picture cannot drift from
+the code. ``animation(n).to_jshtml()`` gives HTML + JavaScript that plays on
+the static site.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+from matplotlib import animation as mpl_animation
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+
+@dataclass
+class Frame:
+    title: str
+    held: list[list[frozenset]]  # held[rank][segment]: ranks whose data is summed in
+    sends: list[tuple[int, int]]  # (rank, segment) cells on the wire in this hop
+
+
+def ring_schedule(n: int) -> list[Frame]:
+    """Frames of reduce-scatter then all-gather, as ``_ring_pass`` runs them."""
+    held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    frames = [Frame(f"start: each of {n} ranks holds its own gradient, cut into {n} segments", [row[:] for row in held], [])]
+    for phase, offset in (("reduce-scatter", 0), ("all-gather", 1)):
+        for hop in range(n - 1):
+            sends = [(r, (r + offset - hop) % n) for r in range(n)]
+            frames.append(Frame(f"{phase} hop {hop + 1}/{n - 1}: rank r sends segment (r{'+1' if offset else ''}-{hop}) mod {n} to rank r+1", [row[:] for row in held], sends))
+            incoming = [(r + 1) % n for r in range(n)]
+            new = [row[:] for row in held]
+            for r, seg in sends:
+                dst = incoming[r]
+                new[dst][seg] = held[dst][seg] | held[r][seg] if phase == "reduce-scatter" else held[r][seg]
+            held = new
+            label = "added into" if phase == "reduce-scatter" else "copied into"
+            frames.append(Frame(f"{phase} hop {hop + 1}/{n - 1}: received segments {label} the receiver's", [row[:] for row in held], []))
+    frames.append(Frame(f"done: every rank holds the full sum; each sent 2({n}-1)/{n} of the data", [row[:] for row in held], []))
+    return frames
+
+
+def _draw(ax, frame: Frame, n: int) -> None:
+    ax.clear()
+    cmap = plt.get_cmap("Blues")
+    for r in range(n):
+        for s in range(n):
+            count = len(frame.held[r][s])
+            ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, color=cmap(0.15 + 0.75 * count / n)))
+            ax.text(s + 0.46, n - 1 - r + 0.43, "+".join(map(str, sorted(frame.held[r][s]))), ha="center", va="center", fontsize=max(6, 12 - n), color="white" if count > n / 2 else "black")
+    for r, s in frame.sends:
+        dst = (r + 1) % n
+        ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, fill=False, lw=2.5, ec="tab:red"))
+        start, end = (s + 0.46, n - 1 - r + 0.05), (s + 0.46, n - 1 - dst + 0.81)
+        style = "arc3,rad=0.0" if dst > r else "arc3,rad=-0.35"  # the wrap-around hop from the last rank to rank 0
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color="tab:red", connectionstyle=style, lw=1.5))
+    ax.set_xlim(-0.1, n + 0.1)
+    ax.set_ylim(-0.2, n + 0.1)
+    ax.set_xticks([s + 0.46 for s in range(n)], [f"seg {s}" for s in range(n)])
+    ax.set_yticks([n - 1 - r + 0.43 for r in range(n)], [f"rank {r}" for r in range(n)])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_title(frame.title, fontsize=9)
+
+
+def animation(n: int = 4, interval_ms: int = 1200) -> mpl_animation.FuncAnimation:
+    """The ring all-reduce on ``n`` ranks; cells show whose data each segment sums."""
+    frames = ring_schedule(n)
+    fig, ax = plt.subplots(figsize=(1.3 * n + 2.5, 1.0 * n + 1.2))
+    anim = mpl_animation.FuncAnimation(fig, lambda i: _draw(ax, frames[i], n), frames=len(frames), interval=interval_ms)
+    plt.close(fig)  # the notebook shows the animation, not a stray still frame
+    return anim
