@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
 
 QUICK = ["--model", "cnn", "--device", "cpu", "--epochs", "1", "--max-steps", "3", "--batch-size", "16", "--synthetic-size", "256", "--num-workers", "0"]
 

@@ -8,7 +8,6 @@ loop in :mod:`distlab.train` never asks which strategy it has.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import ContextManager, Iterator
 
 import torch
