@@ -4,7 +4,11 @@ every committed result carries its provenance."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,3 +31,14 @@ def test_committed_results_carry_their_environment():
         env = json.loads(path.read_text())["environment"]
         for key in ("torch", "backend", "world_size", "date", "command"):
             assert key in env, f"{path} lacks environment[{key!r}]"
+
+
+def test_nothing_the_book_reads_is_git_ignored():
+    """A clean checkout must hold every file the chapters read (CI builds from one)."""
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    book_files = [str(p.relative_to(ROOT)) for p in (ROOT / "book").rglob("*")
+                  if p.is_file() and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *book_files], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+    assert not ignored, f"git ignores files the book needs: {ignored}"
