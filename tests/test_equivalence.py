@@ -61,10 +61,12 @@ def test_fsdp_equals_ddp(tmp_path, reshard_after_forward, accum_steps):
     assert fsdp[0]["history"][0]["test_accuracy"] == pytest.approx(ddp[0]["history"][0]["test_accuracy"], abs=1e-6)
 
 
-def test_accumulation_with_no_sync_equals_the_large_batch(tmp_path):
-    # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step.
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp"])
+def test_accumulation_with_no_sync_equals_the_large_batch(tmp_path, strategy):
+    # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step,
+    # through the one training loop, for torch DDP and the course's own.
     reference = _single(tmp_path, 32)
-    accumulated = run_ranks(train_and_report, 2, tmp_path, _config(strategy="ddp", accum_steps=2))
+    accumulated = run_ranks(train_and_report, 2, tmp_path, _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5))
     # Micro-batches of one rank are consecutive in its shard, so the union
     # over ranks and micro-steps is the same 32 samples as the big batch.
     _assert_same_weights(accumulated[0]["state"], reference["state"])

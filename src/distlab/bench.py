@@ -81,6 +81,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def summarize_times(times: list[float]) -> dict[str, float]:
+    """Median and quartiles of a list of timings, in seconds."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"time_s": statistics.median(times), "time_q1_s": q1, "time_q3_s": q3}
+
+
 def repeats_for(size: int, max_repeats: int, min_repeats: int, budget_bytes: int = 1 << 30) -> int:
     """More repetitions for small messages, fewer for large ones."""
     return max(min_repeats, min(max_repeats, budget_bytes // max(size, 1)))
@@ -119,12 +125,10 @@ def sweep_all_reduce(runtime: Runtime, sizes: list[int], names: list[str], warmu
                 if rep >= warmup:
                     times[name].append(elapsed.item())
         for name in impls:
-            q1, median, q3 = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [times[name][0]] * 3
-            median = statistics.median(times[name])
-            algbw = numel * source.element_size() / median
+            stats = summarize_times(times[name])
+            algbw = numel * source.element_size() / stats["time_s"]
             rows.append({
-                "impl": name, "bytes": numel * source.element_size(), "repeats": repeats,
-                "time_s": median, "time_q1_s": q1, "time_q3_s": q3,
+                "impl": name, "bytes": numel * source.element_size(), "repeats": repeats, **stats,
                 "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(n) / 1e9,
                 "bytes_sent_per_rank": traffic[name], "max_abs_diff_vs_torch": error[name],
             })

@@ -21,7 +21,7 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class TrainConfig:
     """Everything one training run depends on."""
 
-    strategy: str = _opt("ddp", "how the model is wrapped: single (1 rank), ddp (torch DDP) or fsdp (FSDP2 fully_shard)", choices=["single", "ddp", "fsdp"])
+    strategy: str = _opt("ddp", "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the course's own naive_ddp / bucketed_ddp (distlab.mini_ddp)", choices=["single", "ddp", "fsdp", "naive_ddp", "bucketed_ddp"])
     model: str = _opt("cnn", "cnn (the reference notes' MNIST CNN), resnet18, or a GPT preset", choices=MODEL_NAMES)
     dataset: str = _opt("synthetic", "mnist, cifar10 (torchvision, downloaded into --data-dir when online) or synthetic (offline, same shapes)", choices=["mnist", "cifar10", "synthetic"])
     device: str = _opt("auto", "auto (cuda if present), cpu, or cuda; the backend follows: nccl on cuda, gloo on cpu", choices=["auto", "cpu", "cuda"])
@@ -34,7 +34,7 @@ class TrainConfig:
     precision: str = _opt("fp32", "fp32, fp16 (autocast + GradScaler; use this on T4) or bf16 (autocast)", choices=["fp32", "fp16", "bf16"])
     fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free gathered parameters after forward (FULL_SHARD); --no-... keeps them until backward (SHARD_GRAD_OP)")
     fsdp_param_dtype: str = _opt("none", "fsdp: MixedPrecisionPolicy parameter dtype (gradients reduced in fp32)", choices=["none", "bf16", "fp16"])
-    ddp_bucket_cap_mb: float = _opt(25.0, "ddp: gradient bucket size in MB")
+    ddp_bucket_cap_mb: float = _opt(25.0, "ddp and bucketed_ddp: gradient bucket size in MB")
     loader: str = _opt("dataloader", "dataloader (DistributedSampler + DataLoader) or device (whole dataset resident on the device)", choices=["dataloader", "device"])
     num_workers: int = _opt(2, "dataloader: worker processes per rank (keep <= 2 per rank on Kaggle's 4 vCPUs)")
     pin_memory: bool = _opt(True, "dataloader: page-locked host batches (only with --device cuda)")

@@ -70,6 +70,34 @@ class TorchDDP(Strategy):
         return model.no_sync()
 
 
+class NaiveDDPStrategy(Strategy):
+    """:class:`distlab.mini_ddp.NaiveDDP`: one all-reduce per gradient after backward."""
+
+    name = "naive_ddp"
+
+    def wrap(self, model, runtime):
+        from .mini_ddp import NaiveDDP
+
+        return NaiveDDP(model)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+
+class BucketedDDPStrategy(NaiveDDPStrategy):
+    """:class:`distlab.mini_ddp.BucketedDDP`: bucketed all-reduces overlapping backward."""
+
+    name = "bucketed_ddp"
+
+    def __init__(self, bucket_cap_mb: float = 25.0):
+        self.bucket_cap_mb = bucket_cap_mb
+
+    def wrap(self, model, runtime):
+        from .mini_ddp import BucketedDDP
+
+        return BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb)
+
+
 class FSDP2(Strategy):
     """FSDP2 (``fully_shard``): each shard unit, then the root, sharded across ranks.
 
@@ -101,20 +129,29 @@ class FSDP2(Strategy):
             model.set_requires_gradient_sync(True)
 
 
+STRATEGY_NAMES = ("single", "ddp", "fsdp", "naive_ddp", "bucketed_ddp")
+
+
 def make_strategy(name: str, *, bucket_cap_mb: float = 25.0, reshard_after_forward: bool = True, fsdp_param_dtype: torch.dtype | None = None) -> Strategy:
     """A strategy by its command-line name."""
     if name == "single":
         return Single()
     if name == "ddp":
         return TorchDDP(bucket_cap_mb)
+    if name == "naive_ddp":
+        return NaiveDDPStrategy()
+    if name == "bucketed_ddp":
+        return BucketedDDPStrategy(bucket_cap_mb)
     if name == "fsdp":
         return FSDP2(reshard_after_forward, param_dtype=fsdp_param_dtype, reduce_dtype=torch.float32 if fsdp_param_dtype else None)
-    raise DistlabError(f"unknown strategy {name!r}: use single, ddp or fsdp")
+    raise DistlabError(f"unknown strategy {name!r}: use {', '.join(STRATEGY_NAMES)}")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (FSDP2 wraps in place)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module inside a DDP-style wrapper (FSDP2 wraps in place)."""
+    from .mini_ddp import DataParallelWrapper
+
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallelWrapper)) else model
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checks import DataOrderCheck
 from .config import TrainConfig, parse_config
 from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
 from .models import GPT_PRESETS, build_model, count_parameters, model_input_kind
@@ -132,16 +133,23 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
     runtime.log(f"distlab: {cfg.strategy} | {cfg.model} ({n_params:,} parameters) | {cfg.dataset} | {runtime.describe()} | global batch {global_batch} | {steps} steps/epoch")
 
     result = TrainResult(model=model, parameters=n_params)
+    data_check = DataOrderCheck(loader)
     for epoch in range(cfg.epochs):
         loader.set_epoch(epoch)
         model.train()
         totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
         step_losses = torch.zeros(steps, dtype=torch.float64, device=runtime.device)
         batches = iter(loader)
+        data_wait = 0.0
         start = time.perf_counter()
         for step in range(steps):
             for micro in range(cfg.accum_steps):
+                asked = time.perf_counter()
                 inputs, targets = next(batches)
+                data_wait += time.perf_counter() - asked
+                if step == 0 and micro == 0:
+                    for problem in data_check.first_batch(epoch, inputs):
+                        runtime.log(f"distlab: warning: {problem}")
                 is_last = micro == cfg.accum_steps - 1
                 with nullcontext() if is_last else strategy.no_sync(model):
                     with precision.autocast():
@@ -170,6 +178,7 @@ def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
             "test_loss": test["loss"],
             "test_accuracy": test["accuracy"],
             "epoch_time_s": epoch_time,
+            "data_wait_s": data_wait,  # rank 0's time blocked in next(loader)
             "samples_per_s": steps * global_batch / epoch_time,
             "steps": steps,
             "step_loss": (step_losses / runtime.world_size).tolist(),

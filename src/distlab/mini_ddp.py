@@ -1,0 +1,219 @@
+"""Data parallelism from scratch: the naive version beside the bucketed one.
+
+Both keep torch DDP's contract: rank 0's weights are broadcast at
+construction, and when ``loss.backward()`` returns every gradient holds the
+average over ranks. ``no_sync()`` skips the averaging for accumulation
+micro-steps, exactly as torch DDP's does.
+
+* :class:`NaiveDDP` waits for backward to finish, then all-reduces each
+  gradient on its own: one collective per parameter, none of it overlapped.
+* :class:`BucketedDDP` packs gradients into size-capped buckets in reverse
+  order of registration (roughly the order backward produces them) and
+  launches each bucket's all-reduce asynchronously the moment its last
+  gradient is ready, so communication runs while backward still computes.
+
+The communication itself lives in :mod:`torch.distributed` (or any
+all-reduce you pass in, such as :func:`distlab.collectives.ring_all_reduce`);
+these wrappers only decide *when* and *on what* to call it.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .runtime import DistlabError
+
+AllReduce = Callable[[torch.Tensor], object]
+
+
+def _queue_after_backward(callback: Callable[[], None]) -> None:
+    # Runs ``callback`` once the autograd engine has finished this backward
+    # pass, before ``loss.backward()`` returns to the caller (torch DDP's
+    # reducer finalises the same way).
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def broadcast_from_rank0(module: nn.Module, group=None) -> None:
+    """Every rank starts from rank 0's parameters and buffers."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
+class DataParallelWrapper(nn.Module):
+    """What both wrappers share: the wrapped ``module``, the broadcast, ``no_sync``."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise DistlabError("mini_ddp needs a process group: start it with distlab.runtime.distributed() or torchrun")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.require_sync = True
+        broadcast_from_rank0(module, group)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._callback_queued = False
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside keep their gradients local (and accumulate them)."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _on_first_gradient(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            _queue_after_backward(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        self.finish_gradient_sync()
+
+    def finish_gradient_sync(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDDP(DataParallelWrapper):
+    """After backward: one blocking all-reduce per parameter, then divide."""
+
+    def __init__(self, module: nn.Module, group=None, all_reduce: AllReduce | None = None):
+        super().__init__(module, group)
+        self.all_reduce = all_reduce or (lambda t: dist.all_reduce(t, group=self.group))
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self.require_sync:
+            self._on_first_gradient()
+
+    def finish_gradient_sync(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                raise DistlabError(_unused_parameter_message(self.module, p))
+            self.all_reduce(p.grad)
+            p.grad.div_(self.world_size)
+
+
+class _Bucket:
+    """A flat buffer of several gradients, all-reduced as one tensor."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.offsets = {}
+        offset = 0
+        for p in params:
+            self.offsets[p] = offset
+            offset += p.numel()
+        first = params[0]
+        self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
+        self.ready: set[int] = set()
+        self.work = None
+        self.launched_at = self.finished_at = None
+
+    def copy_in(self, p: torch.Tensor) -> None:
+        start = self.offsets[p]
+        self.flat[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        self.ready.add(id(p))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def copy_out(self) -> None:
+        for p in self.params:
+            start = self.offsets[p]
+            p.grad.copy_(self.flat[start:start + p.numel()].view_as(p.grad))
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.work = None
+
+
+def make_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
+    """Reverse registration order, a new bucket whenever the cap would be passed."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype):
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+class BucketedDDP(DataParallelWrapper):
+    """Buckets of gradients, all-reduced asynchronously while backward runs.
+
+    ``timeline`` (when ``record_timeline=True``) collects, per backward,
+    when each bucket was launched and when its all-reduce had finished, in
+    ``time.perf_counter`` seconds: the chapter plots it against backward.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, record_timeline: bool = False):
+        super().__init__(module, group)
+        self.buckets = make_buckets(self.params, int(bucket_cap_mb * 2**20))
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.record_timeline = record_timeline
+        self.timeline: list[dict] = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        self._on_first_gradient()
+        bucket = self.bucket_of[param]
+        bucket.copy_in(param)
+        if bucket.complete:
+            bucket.flat.div_(self.world_size)  # average before summing: no overflow in low precision
+            bucket.launched_at = time.perf_counter()
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            if self.record_timeline:
+                bucket.work.get_future().then(lambda _, b=bucket: setattr(b, "finished_at", time.perf_counter()))
+
+    def finish_gradient_sync(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is None:
+                missing = next(p for p in bucket.params if id(p) not in bucket.ready)
+                for other in self.buckets:  # leave no collective half-posted
+                    if other.work is not None:
+                        other.work.wait()
+                    other.reset()
+                raise DistlabError(_unused_parameter_message(self.module, missing))
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.copy_out()
+        if self.record_timeline:
+            self.timeline.append({
+                "buckets": [{"launched": b.launched_at, "finished": b.finished_at, "bytes": b.flat.numel() * b.flat.element_size()} for b in self.buckets],
+                "synced": time.perf_counter(),
+            })
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, in launch order."""
+        return [b.flat.numel() * b.flat.element_size() for b in self.buckets]
+
+
+def _unused_parameter_message(module: nn.Module, param: torch.Tensor) -> str:
+    name = next((n for n, p in module.named_parameters() if p is param), "?")
+    return (f"parameter {name!r} got no gradient in this backward, so its bucket was never reduced: "
+            "every trainable parameter must take part in the loss (freeze unused ones with requires_grad_(False))")
