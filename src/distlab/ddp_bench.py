@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
+import os
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -91,6 +94,22 @@ def time_steps(models: dict[str, nn.Module], inputs, targets, runtime: Runtime, 
     return slowest
 
 
+@contextmanager
+def _native_stderr_silenced():
+    """Kineto prints start/stop banners from C++ straight to fd 2; they say
+    nothing a reader needs. Python-level errors are unaffected (they are
+    raised, and reported after the fd is restored)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[dict]:
     """One profiled forward+backward: intervals (ms from the step's start) on
     a ``compute`` lane and a ``communication`` lane.
@@ -103,7 +122,7 @@ def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[di
     model.zero_grad(set_to_none=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runtime.device.type == "cuda" else [])
     dist.barrier()
-    with profile(activities=activities) as prof:
+    with _native_stderr_silenced(), profile(activities=activities) as prof:
         with record_function("forward"):
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())

@@ -64,11 +64,11 @@ def _torchrun_noise(line: str) -> bool:
     return "OMP_NUM_THREADS" in line or line.rstrip().endswith("*****************************************") or "site-packages/torch/distributed/run.py" in line
 
 
-def train(*args: str, nproc: int = 2, out: str | os.PathLike = "results", echo: bool = True) -> dict:
+def train(*args: str, nproc: int = 2, out: str | os.PathLike = "results", echo: bool = True, threads_per_rank: int | None = None) -> dict:
     """Run ``distlab.train`` under torchrun and return the result it wrote."""
     args = [str(a) for a in args]
     run_name = _flag_value(args, "--run-name") or _default_name(args, nproc)
-    torchrun("distlab.train", *args, "--out", str(out), "--run-name", run_name, nproc=nproc, echo=echo)
+    torchrun("distlab.train", *args, "--out", str(out), "--run-name", run_name, nproc=nproc, echo=echo, threads_per_rank=threads_per_rank)
     return read_result(Path(out) / f"{run_name}.json")
 
 

@@ -13,7 +13,9 @@ from .results import hardware_label
 
 def run_label(record: dict) -> str:
     cfg = record["config"]
-    return f"{cfg['strategy']} ({record['environment']['world_size']} rank{'s' if record['environment']['world_size'] > 1 else ''}, {cfg['loader']})"
+    ranks = record["environment"]["world_size"]
+    extras = [cfg["loader"]] + ([f"batch {cfg['batch_size']}"] if cfg["batch_size"] != 128 else []) + ([cfg["precision"]] if cfg.get("precision", "fp32") != "fp32" else [])
+    return f"{cfg['strategy']} ({ranks} rank{'s' if ranks > 1 else ''}, {', '.join(extras)})"
 
 
 def _hardware_title(records: Sequence[dict]) -> str:
@@ -107,7 +109,7 @@ def plot_step_times(record: dict, ax=None):
     ax.set_xlim(0, max(medians) * 1.3)
     ax.invert_yaxis()
     env = record["environment"]
-    ax.set(xlabel="forward + backward, median of slowest rank (ms)", title=f"{record['config']['model']}, batch {record['config']['batch_size']}/rank, {env['world_size']} ranks, {env['backend']} - {hardware_label(env)}")
+    ax.set(xlabel="forward + backward, median of slowest rank (ms)", title=f"{record['config']['model']}, batch {record['config']['batch_size']}/rank, {env['world_size']} ranks - {hardware_label(env)}")
     ax.title.set_fontsize(9)
     return ax
 
@@ -127,6 +129,43 @@ def plot_timeline(record: dict, ax=None):
     ax.set_yticks([lanes[l][0] for l in lanes], ["compute", "all-reduce"])
     ax.set_ylim(-0.6, 1.8)
     env = record["environment"]
-    ax.set(xlabel="ms since the step began", title=f"one BucketedDDP step ({record['metrics']['timeline_bucket_cap_mb']:g} MB buckets), rank 0 of {env['world_size']}, {env['backend']} - {hardware_label(env)}")
+    ax.set(xlabel="ms since the step began", title=f"one BucketedDDP step ({record['metrics']['timeline_bucket_cap_mb']:g} MB buckets), rank 0 of {env['world_size']} - {hardware_label(env)}")
     ax.title.set_fontsize(9)
     return ax
+
+
+MODE_STYLE = {"pageable": ("tab:gray", "o--"), "pageable+non_blocking": ("tab:brown", "x:"), "pinned": ("tab:blue", "s-"), "pinned+non_blocking": ("tab:red", "^-")}
+
+
+def plot_copy_bandwidth(record: dict, rank: int = 0, axes=None):
+    """GB/s against copy size, host-to-device and device-to-host, one line per memory mode."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    measured = record["metrics"]["ranks"][rank]
+    for ax, direction in zip(axes, ("h2d", "d2h")):
+        for mode, (color, style) in MODE_STYLE.items():
+            rows = [r for r in measured["bandwidth"] if r["direction"] == direction and r["mode"] == mode]
+            ax.plot([r["bytes"] for r in rows], [r["GBps"] for r in rows], style, color=color, label=mode, ms=4)
+        ax.set(xscale="log", xlabel="bytes per copy", title={"h2d": "host to device", "d2h": "device to host"}[direction])
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("GB/s (median, CUDA events)")
+    axes[0].legend(fontsize=8)
+    axes[0].figure.suptitle(f"rank {rank}: {measured['gpu']} - {hardware_label(record['environment'])}", fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def plot_overlap_timeline(record: dict, rank: int = 0, axes=None):
+    """Copy and compute intervals per batch: serial above, overlapped below."""
+    overlap = record["metrics"]["ranks"][rank]["overlap"]
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
+    for ax, key in zip(axes, ("serial", "overlapped")):
+        for lane, y, color in (("copy", 1, "tab:orange"), ("compute", 0, "tab:blue")):
+            spans = [(i["start_ms"], i["dur_ms"]) for i in overlap["timeline"][key] if i["lane"] == lane]
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color, edgecolors="white")
+        ax.set_yticks([1, 0], ["copy H2D", "compute"])
+        ax.set_title(f"{key}: {overlap[f'{key}_s'] * 1e3:.1f} ms for {overlap['batches']} batches of {overlap['batch_bytes'] >> 20} MB", fontsize=9)
+    axes[-1].set_xlabel("ms (CUDA events)")
+    axes[0].figure.tight_layout()
+    return axes
