@@ -109,3 +109,20 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
     assert run.returncode != 0
     assert time.monotonic() - started < 90
     assert "exitcode  : 17" in run.stderr or "exit code 17" in run.stderr or "17" in run.stderr
+
+
+def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "distlab.ddp_bench",
+                           "--steps", "3", "--warmup", "1", "--bucket-caps", "0.25", "--profile-cap", "0.25", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    from distlab.results import read_result
+
+    record = read_result(tmp_path / "ddp-step-cnn-2xcpu.json")
+    variants = [r["variant"] for r in record["metrics"]["variants"]]
+    assert variants[0] == "local (no sync)" and "NaiveDDP" in variants and any(v.startswith("torch DDP") for v in variants)
+    assert all(len(r["times_s"]) == 3 for r in record["metrics"]["variants"])
+    timeline = record["metrics"]["timeline"]
+    backward_end = max(i["start_ms"] + i["dur_ms"] for i in timeline if i["lane"] == "compute")
+    first_all_reduce = min(i["start_ms"] for i in timeline if i["lane"] == "communication")
+    assert first_all_reduce < backward_end, "the first bucket's all-reduce should start while backward still runs"
