@@ -9,8 +9,8 @@ Three versions, from naive to the one that matches the library collective:
   ``n-1`` hops; every rank sends ``(n-1) S`` bytes.
 * :func:`ring_all_reduce`: ring reduce-scatter, then ring all-gather, each
   over ``n`` segments; every rank sends ``2(n-1)/n * S`` bytes, which does not
-  grow with ``n``. Each hop is cut into chunks so that adding one chunk
-  overlaps the transfer of the next.
+  grow with ``n``. Segments are cut into chunks and streamed, so adding one
+  chunk overlaps the transfer of the next, across hops and phases.
 
 Every send is paired with its receive in one ``batch_isend_irecv`` call, so
 the pattern cannot deadlock on NCCL, where a blocking send waits for its
@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+# Segments from this size on are cut into at least two chunks so that hops
+# overlap; below it the extra message costs more latency than it hides.
+SPLIT_FROM_BYTES = 2 << 20
 
 
 @dataclass
@@ -110,43 +113,51 @@ def _chunks(segment: torch.Tensor, chunk_elems: int) -> list[torch.Tensor]:
     return list(segment.split(chunk_elems)) if segment.numel() else []
 
 
-def _ring_pass(flat: torch.Tensor, ring: _Ring, reduce: bool, chunk_bytes: int, traffic: Traffic | None, depth: int = 2) -> None:
-    """``n-1`` hops around the ring over ``n`` segments of ``flat``.
+def _ring_pipeline(flat: torch.Tensor, ring: _Ring, phases: tuple[bool, ...], chunk_bytes: int, traffic: Traffic | None, max_in_flight: int = 8) -> None:
+    """The ring's phases over ``n`` segments of ``flat``, as one stream of chunk exchanges.
 
-    Reduce-scatter (``reduce=True``): at hop ``s`` rank ``r`` sends segment
-    ``r-s`` and adds what it receives into segment ``r-s-1``; afterwards it
-    holds the full sum of segment ``r+1``. All-gather: rank ``r`` starts
-    from that segment and passes completed segments on, copying what arrives.
+    A phase is ``n-1`` hops. Reduce-scatter (``True``): at hop ``s`` rank ``r``
+    sends segment ``r-s`` and adds what it receives into segment ``r-s-1``;
+    afterwards it holds the full sum of segment ``r+1``. All-gather
+    (``False``): rank ``r`` starts from that segment and passes completed
+    segments on, receiving straight into place.
 
-    Within a hop, ``depth`` chunks are on the wire while the chunk before
-    them is added, each into its own scratch buffer.
+    Each segment is cut into ``k`` chunks (``k >= 2`` from 2 MiB). What
+    chunk ``j`` sends at one hop is what it received at the hop before, ``k``
+    exchanges earlier, so with at most ``k`` exchanges in flight the stream
+    never waits for a whole hop: the next hop's first chunk travels while
+    this hop's last one is still being added.
     """
     n, r = ring.size, ring.rank
-    segments = [flat[a:b] for a, b in segment_bounds(flat.numel(), n)]
-    chunk_elems = max(1, chunk_bytes // flat.element_size())
-    offset = 0 if reduce else 1
-    scratch = [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(depth + 1)] if reduce else []
-    for hop in range(n - 1):
-        send_chunks = _chunks(segments[(r + offset - hop) % n], chunk_elems)
-        recv_chunks = _chunks(segments[(r + offset - hop - 1) % n], chunk_elems)
-        count = max(len(send_chunks), len(recv_chunks))
-        if not reduce:  # nothing to compute on arrival: every chunk of the hop goes at once
-            _wait([w for j in range(count) for w in ring.exchange(_at(send_chunks, j), _at(recv_chunks, j), traffic)])
-            continue
+    bounds = segment_bounds(flat.numel(), n)
+    segments = [flat[a:b] for a, b in bounds]
+    longest = max(b - a for a, b in bounds)
+    segment_bytes = longest * flat.element_size()
+    per_segment = max(-(-segment_bytes // chunk_bytes), 2 if segment_bytes >= SPLIT_FROM_BYTES else 1)
+    chunk_elems = max(1, -(-longest // per_segment))
+    depth = min(per_segment, max_in_flight)
+    steps = []  # (chunk to send, chunk to receive into, add it?)
+    for reduce in phases:
+        offset = 0 if reduce else 1
+        for hop in range(n - 1):
+            send = _chunks(segments[(r + offset - hop) % n], chunk_elems)
+            recv = _chunks(segments[(r + offset - hop - 1) % n], chunk_elems)
+            steps += [(_at(send, j), _at(recv, j), reduce) for j in range(per_segment)]
+    scratch = [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(depth + 1)] if any(phases) else []
 
-        def post(j: int):
-            target = _at(recv_chunks, j)
-            buffer = None if target is None else scratch[j % (depth + 1)][: target.numel()]
-            return ring.exchange(_at(send_chunks, j), buffer, traffic), buffer
+    def post(t: int):
+        send, recv, reduce = steps[t]
+        landing = scratch[t % (depth + 1)][: recv.numel()] if reduce and recv is not None else recv
+        return ring.exchange(send, landing, traffic), landing
 
-        in_flight = deque(post(j) for j in range(min(depth, count)))
-        for j in range(count):
-            works, buffer = in_flight.popleft()
-            _wait(works)
-            if j + depth < count:
-                in_flight.append(post(j + depth))
-            if buffer is not None:
-                recv_chunks[j].add_(buffer)
+    in_flight = deque(post(t) for t in range(min(depth, len(steps))))
+    for t, (_, recv, reduce) in enumerate(steps):
+        works, landing = in_flight.popleft()
+        _wait(works)
+        if reduce and recv is not None:
+            recv.add_(landing)  # before step t+k sends this chunk on, and before its buffer is reused
+        if t + depth < len(steps):
+            in_flight.append(post(t + depth))
 
 
 def _at(chunks: list[torch.Tensor], j: int) -> torch.Tensor | None:
@@ -161,7 +172,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None, chunk_bytes: int = DEF
     ring = _Ring(group)
     flat, copied = _flat_view(tensor)
     if ring.size > 1:
-        _ring_pass(flat, ring, True, chunk_bytes, traffic)
+        _ring_pipeline(flat, ring, (True,), chunk_bytes, traffic)
     a, b = segment_bounds(flat.numel(), ring.size)[(ring.rank + 1) % ring.size]
     if copied:
         tensor.copy_(flat.view(tensor.shape))
@@ -175,7 +186,7 @@ def ring_all_gather(tensor: torch.Tensor, group=None, chunk_bytes: int = DEFAULT
     ring = _Ring(group)
     flat, copied = _flat_view(tensor)
     if ring.size > 1:
-        _ring_pass(flat, ring, False, chunk_bytes, traffic)
+        _ring_pipeline(flat, ring, (False,), chunk_bytes, traffic)
     if copied:
         tensor.copy_(flat.view(tensor.shape))
     return tensor
@@ -188,8 +199,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, chunk_bytes: int = DEFAULT
     if ring.size == 1:
         return tensor
     flat, copied = _flat_view(tensor)
-    _ring_pass(flat, ring, True, chunk_bytes, traffic)
-    _ring_pass(flat, ring, False, chunk_bytes, traffic)
+    _ring_pipeline(flat, ring, (True, False), chunk_bytes, traffic)
     if copied:
         tensor.copy_(flat.view(tensor.shape))
     return tensor

@@ -24,7 +24,7 @@ class Frame:
 
 
 def ring_schedule(n: int) -> list[Frame]:
-    """Frames of reduce-scatter then all-gather, as ``_ring_pass`` runs them."""
+    """Frames of reduce-scatter then all-gather, as ``_ring_pipeline`` streams them."""
     held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     frames = [Frame(f"start: each of {n} ranks holds its own gradient, cut into {n} segments", [row[:] for row in held], [])]
     for phase, offset in (("reduce-scatter", 0), ("all-gather", 1)):
