@@ -39,10 +39,11 @@ def test_bandwidth_row_uses_the_median_copy_time():
 @pytest.mark.parametrize("call", [
     lambda: transfer.copy_bandwidth([4096]),
     lambda: transfer.pinning_cost([1 << 20]),
+    lambda: transfer.pinned_loader_cost(),
     lambda: transfer.non_blocking_read_hazard(),
     lambda: transfer.overlap_experiment(),
     lambda: transfer.loader_end_to_end(None),
-], ids=["bandwidth", "pinning", "hazard", "overlap", "loader"])
+], ids=["bandwidth", "pinning", "pinned_loader", "hazard", "overlap", "loader"])
 def test_every_gpu_function_refuses_in_one_sentence_without_cuda(call):
     with pytest.raises(DistlabError) as error:
         call()

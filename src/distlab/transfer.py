@@ -100,6 +100,23 @@ def pinning_cost(sizes: list[int], repeats: int = 3) -> list[dict]:
     return rows
 
 
+def pinned_loader_cost(batches: int = 30, batch_size: int = 128, image_shape=(3, 224, 224), num_workers: int = 2) -> dict:
+    """Seconds per batch to iterate a DataLoader with ``pin_memory`` off and on,
+    copying nothing to the GPU: what the pinning thread itself costs (or hides)."""
+    require_cuda("measuring a pinned DataLoader")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randint(0, 255, (batch_size * batches, *image_shape), dtype=torch.uint8))
+    seconds = {}
+    for pin in (False, True):
+        loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=pin)
+        started = time.perf_counter()
+        for (batch,) in loader:
+            assert batch.is_pinned() == pin
+        seconds["pinned" if pin else "pageable"] = (time.perf_counter() - started) / batches
+    return {"batch_bytes": batch_size * int(torch.tensor(image_shape).prod()), "seconds_per_batch": seconds}
+
+
 def non_blocking_read_hazard(numel: int = 1 << 26) -> dict:
     """Copy a GPU result to the host with ``non_blocking=True`` and read it on
     the CPU *before* synchronizing: the copy is queued behind the kernel that
@@ -119,16 +136,35 @@ def non_blocking_read_hazard(numel: int = 1 << 26) -> dict:
             "early_read_was_wrong": read_early != float(numel), "late_read_was_right": read_after == float(numel)}
 
 
-def overlap_experiment(batches: int = 8, batch_bytes: int = 64 << 20, matmul_size: int = 4096, matmuls: int = 4) -> dict:
+def _event_ms(fn, device) -> float:
+    """Milliseconds one call of ``fn`` takes on the GPU (after a warm-up call)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def overlap_experiment(batches: int = 8, batch_bytes: int = 64 << 20, matmul_size: int = 2048, matmuls: int = 0) -> dict:
     """Copy-then-compute against copying batch k+1 on a side stream while
     batch k computes. Returns both total times and each op's interval
-    (from CUDA events) for the timeline plot."""
+    (from CUDA events) for the timeline plot.
+
+    ``matmuls=0`` sizes the compute to take about as long as one batch's
+    copy on this GPU, where overlap has the most to gain (at most 2x)."""
     device = require_cuda("the copy/compute overlap experiment")
     host_batches = [_host_buffer(batch_bytes, pinned=True) for _ in range(batches)]
     device_batches = [torch.empty(batch_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-    weight = torch.randn(matmul_size, matmul_size, device=device)
+    weight = torch.randn(matmul_size, matmul_size, device=device) / matmul_size**0.5  # powers stay finite
     copy_stream = torch.cuda.Stream(device)
     compute_stream = torch.cuda.current_stream(device)
+    if matmuls <= 0:
+        copy_ms = _event_ms(lambda: device_batches[0].copy_(host_batches[0], non_blocking=True), device)
+        matmul_ms = _event_ms(lambda: weight @ weight, device)
+        matmuls = max(1, round(copy_ms / matmul_ms))
 
     def compute(buffer: torch.Tensor) -> None:
         x = weight
@@ -168,7 +204,7 @@ def overlap_experiment(batches: int = 8, batch_bytes: int = 64 << 20, matmul_siz
     run(overlapped=True)  # warm-up: cuBLAS handles, allocator
     serial_s, serial = run(overlapped=False)
     overlapped_s, overlapped = run(overlapped=True)
-    return {"batches": batches, "batch_bytes": batch_bytes, "serial_s": serial_s, "overlapped_s": overlapped_s,
+    return {"batches": batches, "batch_bytes": batch_bytes, "matmuls_per_batch": matmuls, "matmul_size": matmul_size, "serial_s": serial_s, "overlapped_s": overlapped_s,
             "speedup": serial_s / overlapped_s, "timeline": {"serial": serial, "overlapped": overlapped}}
 
 
@@ -214,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         mine["bandwidth"] = copy_bandwidth(sizes, repeats=args.repeats)
         runtime.log("  bandwidth done")
         mine["pinning_cost"] = pinning_cost([s for s in sizes if s >= 1 << 20])
+        mine["pinned_loader"] = pinned_loader_cost()
         mine["non_blocking_hazard"] = non_blocking_read_hazard()
         mine["overlap"] = overlap_experiment()
         runtime.log(f"  overlap: serial {mine['overlap']['serial_s'] * 1e3:.1f} ms, overlapped {mine['overlap']['overlapped_s'] * 1e3:.1f} ms")
