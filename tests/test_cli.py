@@ -126,3 +126,17 @@ def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
     backward_end = max(i["start_ms"] + i["dur_ms"] for i in timeline if i["lane"] == "compute")
     first_all_reduce = min(i["start_ms"] for i in timeline if i["lane"] == "communication")
     assert first_all_reduce < backward_end, "the first bucket's all-reduce should start while backward still runs"
+
+
+def test_data_mistakes_demo_counts_what_each_rank_saw(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "distlab.data_mistakes",
+                           "--samples", "200", "--batch-size", "10", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    from distlab.results import read_result
+
+    report = read_result(tmp_path / "data-mistakes-2xcpu.json")["metrics"]
+    assert report["no sampler"]["seen_by_every_rank"] == 200 and report["no sampler"]["problems"]
+    assert report["sampler, no set_epoch"]["seen_by_every_rank"] == 0
+    assert report["sampler, no set_epoch"]["epochs_repeating_previous_order"] == 2 and report["sampler, no set_epoch"]["problems"]
+    assert report["sampler + set_epoch"]["epochs_repeating_previous_order"] == 0 and not report["sampler + set_epoch"]["problems"]
