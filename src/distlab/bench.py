@@ -76,7 +76,7 @@ def all_reduce_impls(names: list[str]) -> dict[str, Callable]:
     return impls
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -116,10 +116,10 @@ def sweep_all_reduce(runtime: Runtime, sizes: list[int], names: list[str], warmu
             for name, fn in impls.items():
                 work = source.clone()
                 dist.barrier()
-                _sync(device)
+                synchronize(device)
                 start = time.perf_counter()
                 fn(work)
-                _sync(device)
+                synchronize(device)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
                 if rep >= warmup:

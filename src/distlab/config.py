@@ -11,6 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .models import MODEL_NAMES
+from .strategies import STRATEGY_NAMES
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -21,7 +22,7 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class TrainConfig:
     """Everything one training run depends on."""
 
-    strategy: str = _opt("ddp", "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the course's own naive_ddp / bucketed_ddp (distlab.mini_ddp)", choices=["single", "ddp", "fsdp", "naive_ddp", "bucketed_ddp"])
+    strategy: str = _opt("ddp", "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the course's own naive_ddp / bucketed_ddp (distlab.mini_ddp)", choices=list(STRATEGY_NAMES))
     model: str = _opt("cnn", "cnn (the reference notes' MNIST CNN), resnet18, or a GPT preset", choices=MODEL_NAMES)
     dataset: str = _opt("synthetic", "mnist, cifar10 (torchvision, downloaded into --data-dir when online) or synthetic (offline, same shapes)", choices=["mnist", "cifar10", "synthetic"])
     device: str = _opt("auto", "auto (cuda if present), cpu, or cuda; the backend follows: nccl on cuda, gloo on cpu", choices=["auto", "cpu", "cuda"])

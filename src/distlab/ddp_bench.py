@@ -30,11 +30,16 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .bench import _sync, summarize_times
+from .bench import summarize_times, synchronize
 from .mini_ddp import BucketedDDP, NaiveDDP
 from .models import GPT_PRESETS, build_model, count_parameters, model_input_kind
 from .results import write_result
 from .runtime import Runtime, distributed, run_main
+
+
+def image_shape(model_name: str) -> tuple[int, int]:
+    """(channels, side) of the images a model is benchmarked on: MNIST's for the CNN, CIFAR's otherwise."""
+    return (1, 28) if model_name == "cnn" else (3, 32)
 
 
 def sample_batch(model_name: str, batch_size: int, device: torch.device, seq_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,13 +50,13 @@ def sample_batch(model_name: str, batch_size: int, device: torch.device, seq_len
         vocab = GPT_PRESETS[model_name].vocab_size
         tokens = torch.randint(0, vocab, (batch_size, seq_len + 1), generator=gen)
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    channels, size = (1, 28) if model_name == "cnn" else (3, 32)
+    channels, size = image_shape(model_name)
     return torch.randn(batch_size, channels, size, size, generator=gen).to(device), torch.randint(0, 10, (batch_size,), generator=gen).to(device)
 
 
 def make_model(model_name: str, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    channels, size = (1, 28) if model_name == "cnn" else (3, 32)
+    channels, size = image_shape(model_name)
     return build_model(model_name, channels, 10, size).to(device)
 
 
@@ -80,10 +85,10 @@ def time_steps(models: dict[str, nn.Module], inputs, targets, runtime: Runtime, 
         for name, model in models.items():
             model.zero_grad(set_to_none=True)
             dist.barrier()
-            _sync(runtime.device)
+            synchronize(runtime.device)
             start = time.perf_counter()
             forward_backward(model, inputs, targets)
-            _sync(runtime.device)
+            synchronize(runtime.device)
             if rep >= warmup:
                 local[name].append(time.perf_counter() - start)
     slowest = {}
@@ -127,7 +132,7 @@ def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[di
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
         loss.backward()
-        _sync(runtime.device)
+        synchronize(runtime.device)
     intervals = []
     for event in prof.events():
         on_gpu = event.device_type == torch.autograd.DeviceType.CUDA

@@ -19,7 +19,6 @@ these wrappers only decide *when* and *on what* to call it.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -61,6 +60,8 @@ class DataParallelWrapper(nn.Module):
         broadcast_from_rank0(module, group)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._callback_queued = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -83,6 +84,9 @@ class DataParallelWrapper(nn.Module):
         self._callback_queued = False
         self.finish_gradient_sync()
 
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def finish_gradient_sync(self) -> None:
         raise NotImplementedError
 
@@ -93,8 +97,6 @@ class NaiveDDP(DataParallelWrapper):
     def __init__(self, module: nn.Module, group=None, all_reduce: AllReduce | None = None):
         super().__init__(module, group)
         self.all_reduce = all_reduce or (lambda t: dist.all_reduce(t, group=self.group))
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         if self.require_sync:
@@ -122,7 +124,6 @@ class _Bucket:
         self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
         self.ready: set[int] = set()
         self.work = None
-        self.launched_at = self.finished_at = None
 
     def copy_in(self, p: torch.Tensor) -> None:
         start = self.offsets[p]
@@ -159,21 +160,12 @@ def make_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
 
 
 class BucketedDDP(DataParallelWrapper):
-    """Buckets of gradients, all-reduced asynchronously while backward runs.
+    """Buckets of gradients, all-reduced asynchronously while backward runs."""
 
-    ``timeline`` (when ``record_timeline=True``) collects, per backward,
-    when each bucket was launched and when its all-reduce had finished, in
-    ``time.perf_counter`` seconds: the chapter plots it against backward.
-    """
-
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None, record_timeline: bool = False):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None):
         super().__init__(module, group)
         self.buckets = make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.record_timeline = record_timeline
-        self.timeline: list[dict] = []
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         if not self.require_sync:
@@ -183,10 +175,7 @@ class BucketedDDP(DataParallelWrapper):
         bucket.copy_in(param)
         if bucket.complete:
             bucket.flat.div_(self.world_size)  # average before summing: no overflow in low precision
-            bucket.launched_at = time.perf_counter()
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-            if self.record_timeline:
-                bucket.work.get_future().then(lambda _, b=bucket: setattr(b, "finished_at", time.perf_counter()))
 
     def finish_gradient_sync(self) -> None:
         for bucket in self.buckets:
@@ -200,12 +189,6 @@ class BucketedDDP(DataParallelWrapper):
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.copy_out()
-        if self.record_timeline:
-            self.timeline.append({
-                "buckets": [{"launched": b.launched_at, "finished": b.finished_at, "bytes": b.flat.numel() * b.flat.element_size()} for b in self.buckets],
-                "synced": time.perf_counter(),
-            })
-        for bucket in self.buckets:
             bucket.reset()
 
     def bucket_sizes(self) -> list[int]:

@@ -53,7 +53,15 @@ class Single(Strategy):
         return model
 
 
-class TorchDDP(Strategy):
+class Replicated(Strategy):
+    """A full replica per rank inside a DDP-style wrapper, whose own
+    ``no_sync()`` skips the gradient all-reduce."""
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+
+class TorchDDP(Replicated):
     """``torch.nn.parallel.DistributedDataParallel``: a full replica per rank,
     gradients all-reduced in buckets during backward."""
 
@@ -66,11 +74,8 @@ class TorchDDP(Strategy):
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
 
-    def no_sync(self, model):
-        return model.no_sync()
 
-
-class NaiveDDPStrategy(Strategy):
+class NaiveDDPStrategy(Replicated):
     """:class:`distlab.mini_ddp.NaiveDDP`: one all-reduce per gradient after backward."""
 
     name = "naive_ddp"
@@ -80,11 +85,8 @@ class NaiveDDPStrategy(Strategy):
 
         return NaiveDDP(model)
 
-    def no_sync(self, model):
-        return model.no_sync()
 
-
-class BucketedDDPStrategy(NaiveDDPStrategy):
+class BucketedDDPStrategy(Replicated):
     """:class:`distlab.mini_ddp.BucketedDDP`: bucketed all-reduces overlapping backward."""
 
     name = "bucketed_ddp"
