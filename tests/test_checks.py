@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from conftest import run_ranks
 from distlab.checks import DataOrderCheck, fingerprint
+from distlab.testing import run_ranks
 
 DATASET = TensorDataset(torch.arange(64, dtype=torch.float32).view(64, 1), torch.zeros(64))
 
@@ -19,18 +19,22 @@ def _problems_over_epochs(loader, epochs: int, set_epoch: bool, inspect_loader: 
         if set_epoch:
             loader.sampler.set_epoch(epoch)
         inputs, _ = next(iter(loader))
-        found.append(check.first_batch(epoch, inputs))
+        found.append(check.check_first_batch(epoch, inputs))
     return found
 
 
 def every_scenario(runtime):
     torch.manual_seed(0)  # the same seed on every rank, as for identical initial weights
     no_sampler = DataLoader(DATASET, batch_size=4, shuffle=True)
+
     def sharded():
         return DataLoader(DATASET, batch_size=4, sampler=DistributedSampler(DATASET, seed=0))
+
     return {
         "no_sampler": _problems_over_epochs(no_sampler, 1, set_epoch=False, inspect_loader=True),
-        "no_sampler_data_only": _problems_over_epochs(DataLoader(DATASET, batch_size=4, shuffle=False), 1, set_epoch=False, inspect_loader=False),
+        "no_sampler_data_only": _problems_over_epochs(
+            DataLoader(DATASET, batch_size=4, shuffle=False), 1, set_epoch=False, inspect_loader=False
+        ),
         "no_set_epoch": _problems_over_epochs(sharded(), 3, set_epoch=False, inspect_loader=True),
         "no_set_epoch_data_only": _problems_over_epochs(sharded(), 3, set_epoch=False, inspect_loader=False),
         "correct": _problems_over_epochs(sharded(), 3, set_epoch=True, inspect_loader=True),

@@ -8,8 +8,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_ranks
-from distlab.collectives import ALL_REDUCES, Traffic, ring_all_gather, ring_reduce_scatter, segment_bounds
+from distlab.collectives import (
+    ALL_REDUCES,
+    Phase,
+    Traffic,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    ring_send_segment,
+    segment_bounds,
+)
+from distlab.ring_animation import ring_schedule
+from distlab.testing import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
 
@@ -126,3 +136,52 @@ def test_bytes_sent_per_rank_match_the_derivation(tmp_path, world_size):
         assert sent["naive_ring"] == (n - 1) * size
         # rank 0 also receives (n-1) S before it can send: 2(n-1) S through one rank
         assert sent["reduce_broadcast"] == ((n - 1) * size if rank == 0 else size)
+
+
+SEGMENT_ELEMS = 6  # 3 chunks of 2 float64 per segment at chunk_bytes=16
+
+
+def contributions_per_segment(runtime):
+    """Rank r contributes 2**r everywhere, so after a ring phase the value of
+    each segment says, bit by bit, whose contributions were summed into it."""
+    n, r = runtime.world_size, runtime.rank
+    bits = torch.full((n * SEGMENT_ELEMS,), 2.0**r, dtype=torch.float64)
+    ring_reduce_scatter(bits, chunk_bytes=16)
+    after_scatter = bits.clone()
+    ring_all_gather(bits, chunk_bytes=16)
+    after_gather = bits.clone()
+    all_reduced = ring_all_reduce(torch.full((n * SEGMENT_ELEMS,), 2.0**r, dtype=torch.float64), chunk_bytes=16)
+    return after_scatter, after_gather, all_reduced
+
+
+def _bits(ranks) -> float:
+    return float(sum(2**q for q in ranks))
+
+
+def test_ring_send_segment_is_the_documented_schedule():
+    for n in (2, 3, 5):
+        for r in range(n):
+            for hop in range(n - 1):
+                assert ring_send_segment(r, hop, Phase.REDUCE_SCATTER, n) == (r - hop) % n
+                assert ring_send_segment(r, hop, Phase.ALL_GATHER, n) == (r + 1 - hop) % n
+            # the first segment sent in all-gather is the one reduce-scatter completed on this rank
+            assert ring_send_segment(r, 0, Phase.ALL_GATHER, n) == (r + 1) % n
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_animation_shows_what_the_ring_does(tmp_path, world_size):
+    """The animation's cells after reduce-scatter, and at the end, hold exactly
+    the contributions the real pipeline sums into each segment on each rank."""
+    n = world_size
+    frames = ring_schedule(n)
+    after_scatter_frame = [f for f in frames if f.phase is Phase.REDUCE_SCATTER][-1]
+    for r, (after_scatter, after_gather, all_reduced) in enumerate(run_ranks(contributions_per_segment, n, tmp_path)):
+        for s in range(n):
+            segment = slice(s * SEGMENT_ELEMS, (s + 1) * SEGMENT_ELEMS)
+            shown = after_scatter_frame.held[r][s]
+            assert torch.all(after_scatter[segment] == _bits(shown)), (
+                f"rank {r} segment {s}: animation shows {sorted(shown)}"
+            )
+            assert frames[-1].held[r][s] == frozenset(range(n))
+            assert torch.all(after_gather[segment] == _bits(frames[-1].held[r][s]))
+            assert torch.all(all_reduced[segment] == _bits(frames[-1].held[r][s]))

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from conftest import run_ranks
 from distlab.data import DeviceResidentLoader, SyntheticImages, load_datasets, shard_indices
 from distlab.runtime import DistlabError, Runtime, distributed
+from distlab.testing import run_ranks
 
 CPU = torch.device("cpu")
 
@@ -18,7 +18,9 @@ def _indices(n: int, world_size: int, epoch: int, drop_last: bool = False) -> li
     dataset = TensorDataset(torch.arange(n))
     per_rank = []
     for rank in range(world_size):
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=3, drop_last=drop_last)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=3, drop_last=drop_last
+        )
         sampler.set_epoch(epoch)
         per_rank.append(list(sampler))
     return per_rank
@@ -49,7 +51,9 @@ def test_device_resident_split_equals_distributed_sampler(n, world_size, drop_la
     for epoch in (0, 1):
         expected = _indices(n, world_size, epoch, drop_last)
         for rank in range(world_size):
-            assert shard_indices(n, world_size, rank, seed=3, epoch=epoch, drop_last=drop_last).tolist() == expected[rank]
+            assert (
+                shard_indices(n, world_size, rank, seed=3, epoch=epoch, drop_last=drop_last).tolist() == expected[rank]
+            )
 
 
 def test_device_resident_loader_yields_each_rank_its_shard():

@@ -7,21 +7,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_ranks
+from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
-from distlab.strategies import full_state_dict
+from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 from distlab.train import train
 
 # SGD keeps float reassociation (different reduction order across ranks)
-# at rounding level; Adam's division by sqrt(v) would amplify it in
-# near-zero gradients. Five steps, float32: agreement to 1e-5 absolute.
-ATOL, RTOL = 1e-5, 1e-4
+# at rounding level (distlab.testing.ATOL/RTOL); Adam's division by sqrt(v)
+# would amplify it in near-zero gradients.
 STEPS = 5
 
 
 def _config(**overrides) -> TrainConfig:
-    base = dict(model="cnn", dataset="synthetic", device="cpu", synthetic_size=640, batch_size=8, max_steps=STEPS, epochs=1, optimizer="sgd", lr=0.05, num_workers=0, log_every=-1, eval_batch_size=64)
-    return TrainConfig(**{**base, **overrides})
+    base = dict(
+        model="cnn",
+        dataset="synthetic",
+        device="cpu",
+        synthetic_size=640,
+        batch_size=8,
+        max_steps=STEPS,
+        epochs=1,
+        optimizer="sgd",
+        lr=0.05,
+        num_workers=0,
+        log_every=-1,
+        eval_batch_size=64,
+    )
+    return TrainConfig.from_flags(**{**base, **overrides})
 
 
 def train_and_report(runtime, cfg: TrainConfig):
@@ -30,9 +42,7 @@ def train_and_report(runtime, cfg: TrainConfig):
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=ATOL, rtol=RTOL, msg=lambda m: f"{key}: {m}")
+    assert_same_state(a, b)
 
 
 def _single(tmp_path, batch_size: int, **overrides):
@@ -55,7 +65,12 @@ def test_ddp_equals_single_process_on_the_concatenated_batch(tmp_path, world_siz
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_fsdp_equals_ddp(tmp_path, reshard_after_forward, accum_steps):
     ddp = run_ranks(train_and_report, 2, tmp_path, _config(strategy="ddp", accum_steps=accum_steps))
-    fsdp = run_ranks(train_and_report, 2, tmp_path, _config(strategy="fsdp", accum_steps=accum_steps, fsdp_reshard_after_forward=reshard_after_forward))
+    fsdp = run_ranks(
+        train_and_report,
+        2,
+        tmp_path,
+        _config(strategy="fsdp", accum_steps=accum_steps, fsdp_reshard_after_forward=reshard_after_forward),
+    )
     for rank in range(2):
         _assert_same_weights(fsdp[rank]["state"], ddp[rank]["state"])
     assert fsdp[0]["history"][0]["test_accuracy"] == pytest.approx(ddp[0]["history"][0]["test_accuracy"], abs=1e-6)
@@ -66,7 +81,9 @@ def test_accumulation_with_no_sync_equals_the_large_batch(tmp_path, strategy):
     # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step,
     # through the one training loop, for torch DDP and the course's own.
     reference = _single(tmp_path, 32)
-    accumulated = run_ranks(train_and_report, 2, tmp_path, _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5))
+    accumulated = run_ranks(
+        train_and_report, 2, tmp_path, _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5)
+    )
     # Micro-batches of one rank are consecutive in its shard, so the union
     # over ranks and micro-steps is the same 32 samples as the big batch.
     _assert_same_weights(accumulated[0]["state"], reference["state"])
@@ -77,13 +94,16 @@ def test_fsdp_shards_are_exactly_one_over_n(tmp_path):
     # over 2 ranks needs no padding: each rank must hold exactly half.
     counts = run_ranks(local_parameter_count, 2, tmp_path)
     total = counts[0]["total"]
-    assert total == 405_898
+    assert total == CNN_PARAMETERS
     assert [c["local"] for c in counts] == [total // 2, total // 2]
 
 
 def local_parameter_count(runtime):
     from distlab.models import build_model
-    from distlab.strategies import make_strategy
+    from distlab.parallel import FSDP2
 
-    model = make_strategy("fsdp").wrap(build_model("cnn"), runtime)
-    return {"local": sum(p.to_local().numel() for p in model.parameters()), "total": sum(p.numel() for p in model.parameters())}
+    model = FSDP2().wrap(build_model("cnn"), runtime)
+    return {
+        "local": sum(p.to_local().numel() for p in model.parameters()),
+        "total": sum(p.numel() for p in model.parameters()),
+    }

@@ -3,7 +3,11 @@ every committed result carries its provenance."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ci_runs_exactly_the_readme_commands():
     readme = (ROOT / "README.md").read_text()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    for command in ("pip install -r requirements.txt && python -m pytest", "pip install -r requirements.txt && jupyter-book build book"):
+    for command in (
+        "pip install -r requirements.txt && python -m pytest",
+        "pip install -r requirements.txt && jupyter-book build book",
+    ):
         assert command in readme
         assert command in ci_lines
 
@@ -37,8 +44,92 @@ def test_nothing_the_book_reads_is_git_ignored():
     """A clean checkout must hold every file the chapters read (CI builds from one)."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
-    book_files = [str(p.relative_to(ROOT)) for p in (ROOT / "book").rglob("*")
-                  if p.is_file() and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts]
-    ignored = subprocess.run(["git", "check-ignore", "--no-index", *book_files], cwd=ROOT,
-                             capture_output=True, text=True).stdout.split()
+    book_files = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "book").rglob("*")
+        if p.is_file() and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *book_files], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     assert not ignored, f"git ignores files the book needs: {ignored}"
+
+
+def _pages() -> list[Path]:
+    """README, chapters and labs: every place a reader copies a command or an import from."""
+    return [ROOT / "README.md", *sorted((ROOT / "book").glob("*.md")), *sorted((ROOT / "notebooks").glob("*.ipynb"))]
+
+
+def _text(page: Path) -> str:
+    if page.suffix == ".ipynb":
+        return "\n".join("".join(cell["source"]) for cell in json.loads(page.read_text())["cells"])
+    return page.read_text()
+
+
+def _defined_names(path: Path) -> set[str]:
+    """``name`` and ``Class.method`` for every def and class in a file."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                members = [item for item in node.body if isinstance(item, (ast.FunctionDef, ast.ClassDef))]
+                names |= {f"{node.name}.{item.name}" for item in members}
+    return names
+
+
+def test_every_literalinclude_and_pyobject_resolves():
+    includes = 0
+    for page in sorted((ROOT / "book").glob("*.md")):
+        for match in re.finditer(r"```\{literalinclude\}\s+(\S+)\n((?::\w+:.*\n)*)", page.read_text()):
+            includes += 1
+            path = (page.parent / match.group(1)).resolve()
+            assert path.is_file(), f"{page.name}: {match.group(1)} does not exist"
+            obj = re.search(r":pyobject:\s*(\S+)", match.group(2))
+            if obj:
+                name = obj.group(1)
+                assert name in _defined_names(path), f"{page.name}: {name} is not defined in {match.group(1)}"
+    assert includes >= 10  # the guard reads the includes it means to guard
+
+
+def test_every_distlab_module_and_import_on_a_page_resolves():
+    checked = 0
+    for page in _pages():
+        text = _text(page)
+        for module in re.findall(r"-m (distlab(?:\.\w+)+)", text) + re.findall(r"\"(distlab(?:\.\w+)+)\"", text):
+            checked += 1
+            assert importlib.util.find_spec(module) is not None, f"{page.name}: no module {module}"
+        for module, names in re.findall(r"from (distlab(?:\.\w+)*) import ([\w, ]+)", text):
+            imported = importlib.import_module(module)
+            for name in (n.strip() for n in names.split(",")):
+                checked += 1
+                has = hasattr(imported, name) or importlib.util.find_spec(f"{module}.{name}") is not None
+                assert has, f"{page.name}: {module} has no {name}"
+    assert checked >= 20
+
+
+def _modules_drawn_in_readme(readme: str) -> list[str]:
+    """Module paths the README's layout draws under ``src/distlab/``, folders followed by indentation."""
+    drawn, folders, inside = [], [], False
+    for line in readme.splitlines():
+        if line.startswith("src/distlab/"):
+            inside = True
+            continue
+        if inside and not line.startswith("  "):
+            break
+        if inside:
+            indent, entry = len(line) - len(line.lstrip()), line.split()[0]
+            folders = [(i, name) for i, name in folders if i < indent]
+            if entry.endswith("/"):
+                folders.append((indent, entry))
+            elif entry.endswith(".py"):
+                drawn.append("".join(name for _, name in folders) + entry)
+    return drawn
+
+
+def test_the_readme_draws_every_module_of_the_tree():
+    package = ROOT / "src" / "distlab"
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name != "__init__.py"}
+    drawn = _modules_drawn_in_readme((ROOT / "README.md").read_text())
+    assert len(drawn) == len(set(drawn)), "one line per module"
+    assert set(drawn) == modules, f"missing: {sorted(modules - set(drawn))}, absent: {sorted(set(drawn) - modules)}"

@@ -1,4 +1,4 @@
-"""distlab.transfer: what a CPU can check (sizes, statistics, the clear
+"""distlab.bench.transfer: what a CPU can check (sizes, statistics, the clear
 errors without CUDA, the plots reading a result file) and, where a GPU is
 present, the measurements themselves."""
 
@@ -11,10 +11,10 @@ import matplotlib
 import pytest
 import torch
 
-from distlab import transfer
-from distlab.bench import parse_sizes
+from distlab.bench import transfer
+from distlab.bench.harness import parse_sizes
 from distlab.results import read_result, write_result
-from distlab.runtime import DistlabError
+from distlab.runtime import DistlabError, Runtime
 
 matplotlib.use("Agg")
 NO_CUDA = not torch.cuda.is_available()
@@ -36,14 +36,18 @@ def test_bandwidth_row_uses_the_median_copy_time():
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA, so nothing refuses to run")
-@pytest.mark.parametrize("call", [
-    lambda: transfer.copy_bandwidth([4096]),
-    lambda: transfer.pinning_cost([1 << 20]),
-    lambda: transfer.pinned_loader_cost(),
-    lambda: transfer.non_blocking_read_hazard(),
-    lambda: transfer.overlap_experiment(),
-    lambda: transfer.loader_end_to_end(None),
-], ids=["bandwidth", "pinning", "pinned_loader", "hazard", "overlap", "loader"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: transfer.copy_bandwidth([4096]),
+        lambda: transfer.pinning_cost([1 << 20]),
+        lambda: transfer.pinned_loader_cost(),
+        lambda: transfer.non_blocking_read_hazard(),
+        lambda: transfer.overlap_experiment(),
+        lambda: transfer.loader_end_to_end(None),
+    ],
+    ids=["bandwidth", "pinning", "pinned_loader", "hazard", "overlap", "loader"],
+)
 def test_every_gpu_function_refuses_in_one_sentence_without_cuda(call):
     with pytest.raises(DistlabError) as error:
         call()
@@ -53,7 +57,9 @@ def test_every_gpu_function_refuses_in_one_sentence_without_cuda(call):
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
 def test_command_line_without_cuda_is_one_line_not_a_traceback():
-    done = subprocess.run([sys.executable, "-m", "distlab.transfer", "--sizes", "4KB"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "distlab.bench.transfer", "--sizes", "4KB"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     output = (done.stdout + done.stderr).strip().splitlines()
     assert output == [line for line in output if line.startswith("distlab: error:")] and len(output) == 1, output
@@ -63,10 +69,34 @@ def test_command_line_without_cuda_is_one_line_not_a_traceback():
 def test_plots_read_a_transfer_result_file(tmp_path):
     # A record shaped like a GPU run's, built from rows the library computes;
     # it is written to a temporary folder and never committed as a result.
-    rows = [transfer.bandwidth_row(size, d, mode, [size / 1e10], [1e-6]) for size in (4096, 1 << 20) for d in ("h2d", "d2h") for mode in transfer.MODES]
+    rows = [
+        transfer.bandwidth_row(size, d, mode, [size / 1e10], [1e-6])
+        for size in (4096, 1 << 20)
+        for d in ("h2d", "d2h")
+        for mode in transfer.MODES
+    ]
     timeline = [{"lane": lane, "batch": 0, "start_ms": 0.0, "dur_ms": 1.0} for lane in ("copy", "compute")]
-    ranks = [{"rank": 0, "gpu": "test double", "bandwidth": rows, "overlap": {"batches": 1, "batch_bytes": 1 << 20, "serial_s": 0.002, "overlapped_s": 0.001, "timeline": {"serial": timeline, "overlapped": timeline}}}]
-    path = write_result(tmp_path / "t.json", "transfer", {}, {"ranks": ranks, "loader": []}, torch.device("cpu"), world_size=1, backend="none")
+    ranks = [
+        {
+            "rank": 0,
+            "gpu": "test double",
+            "bandwidth": rows,
+            "overlap": {
+                "batches": 1,
+                "batch_bytes": 1 << 20,
+                "serial_s": 0.002,
+                "overlapped_s": 0.001,
+                "timeline": {"serial": timeline, "overlapped": timeline},
+            },
+        }
+    ]
+    path = write_result(
+        tmp_path / "t.json",
+        "transfer",
+        {},
+        {"ranks": ranks, "loader": []},
+        Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"),
+    )
     from distlab import plots
 
     record = read_result(path)

@@ -24,9 +24,18 @@ from torch.utils.data import DistributedSampler
 
 from .runtime import DistlabError
 
-SAME_BATCH_ON_RANKS = "ranks {ranks} got the same first batch in epoch {epoch}: give each rank its own shard with DataLoader(dataset, sampler=DistributedSampler(dataset))"
-NOT_DISTRIBUTED_SAMPLER = "the DataLoader's sampler is a {kind}, not a DistributedSampler: every rank draws from the whole dataset instead of its 1/{world} shard"
-SAME_ORDER_AS_LAST_EPOCH = "epoch {epoch} starts with the same batch as epoch {previous} on every rank: call sampler.set_epoch(epoch) at the start of each epoch so the shuffle changes"
+SAME_BATCH_ON_RANKS = (
+    "ranks {ranks} got the same first batch in epoch {epoch}: give each rank its own shard "
+    "with DataLoader(dataset, sampler=DistributedSampler(dataset))"
+)
+NOT_DISTRIBUTED_SAMPLER = (
+    "the DataLoader's sampler is a {kind}, not a DistributedSampler: every rank draws "
+    "from the whole dataset instead of its 1/{world} shard"
+)
+SAME_ORDER_AS_LAST_EPOCH = (
+    "epoch {epoch} starts with the same batch as epoch {previous} on every rank: call "
+    "sampler.set_epoch(epoch) at the start of each epoch so the shuffle changes"
+)
 
 
 def fingerprint(batch: torch.Tensor) -> int:
@@ -36,11 +45,11 @@ def fingerprint(batch: torch.Tensor) -> int:
 
 
 class DataOrderCheck:
-    """Call :meth:`first_batch` with the first batch of every epoch.
+    """Call :meth:`check_first_batch` with the first batch of every epoch.
 
     ``loader`` (optional) lets the check inspect a ``DataLoader``'s sampler.
     With ``strict=True`` a problem raises :class:`DistlabError`; otherwise
-    :meth:`first_batch` returns the problems for the caller to report.
+    :meth:`check_first_batch` returns the problems for the caller to report.
     """
 
     def __init__(self, loader: Any = None, group=None, strict: bool = False):
@@ -50,7 +59,7 @@ class DataOrderCheck:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self._previous: tuple[int, list[int], int | None] | None = None
 
-    def first_batch(self, epoch: int, inputs: torch.Tensor) -> list[str]:
+    def check_first_batch(self, epoch: int, inputs: torch.Tensor) -> list[str]:
         prints = self._gather(fingerprint(inputs))
         sampler = getattr(self.loader, "sampler", None)
         sampler_epoch = getattr(sampler, "epoch", None)
@@ -64,7 +73,9 @@ class DataOrderCheck:
         if self._previous is not None:
             previous_epoch, previous_prints, previous_sampler_epoch = self._previous
             same_data = previous_prints == prints
-            sampler_stuck = isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler_epoch == previous_sampler_epoch
+            sampler_stuck = (
+                isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler_epoch == previous_sampler_epoch
+            )
             if same_data or sampler_stuck:
                 problems.append(SAME_ORDER_AS_LAST_EPOCH.format(epoch=epoch, previous=previous_epoch))
         self._previous = (epoch, prints, sampler_epoch)

@@ -19,7 +19,9 @@ receiver. All functions sum in place and return the tensor.
 
 from __future__ import annotations
 
+import enum
 import functools
+import inspect
 from collections import deque
 from dataclasses import dataclass
 
@@ -69,20 +71,39 @@ class _Ring:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _host_staged(fn):
-    """gloo moves host memory only: run on a CPU copy of a CUDA tensor and copy
-    the result back (gloo's own CUDA collectives stage through the host too)."""
+def _in_place_collective(body):
+    """Make ``body(flat, ring, *args, **kwargs)``, an algorithm on a contiguous 1-D
+    tensor, into the public ``fn(tensor, group=None, *args, **kwargs)``.
 
-    @functools.wraps(fn)
-    def wrapper(tensor: torch.Tensor, group=None, *args, **kwargs):
+    The wrapper works in place on any ``tensor`` and returns it, or what the body
+    returns if that is a tensor. A non-contiguous ``tensor`` is worked on in a
+    contiguous copy and written back. gloo moves host memory only, so a CUDA
+    tensor on gloo is run on a CPU copy and the result copied back (gloo's own
+    CUDA collectives stage through the host too).
+    """
+
+    @functools.wraps(body)
+    def collective(tensor: torch.Tensor, group=None, *args, **kwargs) -> torch.Tensor:
         if tensor.is_cuda and dist.get_backend(group) == "gloo":
             staged = tensor.cpu()
-            result = fn(staged, group, *args, **kwargs)
+            result = collective(staged, group, *args, **kwargs)
             tensor.copy_(staged)
             return tensor if result is staged else result.to(tensor.device)
-        return fn(tensor, group, *args, **kwargs)
+        flat, copied = _flat_view(tensor)
+        result = body(flat, _Ring(group), *args, **kwargs)
+        if copied:
+            tensor.copy_(flat.view(tensor.shape))
+        return result if isinstance(result, torch.Tensor) else tensor
 
-    return wrapper
+    # help() and the docs show the public signature, not the body's (flat, ring, ...)
+    body_signature = inspect.signature(body)
+    public = [
+        inspect.Parameter("tensor", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.Tensor"),
+        inspect.Parameter("group", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+    rest = list(body_signature.parameters.values())[2:]
+    collective.__signature__ = body_signature.replace(parameters=public + rest, return_annotation="torch.Tensor")
+    return collective
 
 
 def _wait(works) -> None:
@@ -109,18 +130,44 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class Phase(enum.Enum):
+    """The ring all-reduce's two phases: add what arrives, or copy it."""
+
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_GATHER = "all-gather"
+
+
+def ring_send_segment(rank: int, hop: int, phase: Phase, n: int) -> int:
+    """The segment ``rank`` sends to ``rank + 1`` at ``hop`` (from 0) of ``phase`` on a ring of ``n``.
+
+    It receives into ``ring_send_segment(rank - 1, hop, phase, n)``: what its
+    predecessor sends. After reduce-scatter, rank ``r`` holds the full sum of
+    segment ``r + 1``, the segment it sends first in all-gather.
+    """
+    offset = 0 if phase is Phase.REDUCE_SCATTER else 1
+    return (rank + offset - hop) % n
+
+
 def _chunks(segment: torch.Tensor, chunk_elems: int) -> list[torch.Tensor]:
     return list(segment.split(chunk_elems)) if segment.numel() else []
 
 
-def _ring_pipeline(flat: torch.Tensor, ring: _Ring, phases: tuple[bool, ...], chunk_bytes: int, traffic: Traffic | None, max_in_flight: int = 8) -> None:
+def _ring_pipeline(
+    flat: torch.Tensor,
+    ring: _Ring,
+    phases: tuple[Phase, ...],
+    chunk_bytes: int,
+    traffic: Traffic | None,
+    max_in_flight: int = 8,
+) -> None:
     """The ring's phases over ``n`` segments of ``flat``, as one stream of chunk exchanges.
 
-    A phase is ``n-1`` hops. Reduce-scatter (``True``): at hop ``s`` rank ``r``
-    sends segment ``r-s`` and adds what it receives into segment ``r-s-1``;
-    afterwards it holds the full sum of segment ``r+1``. All-gather
-    (``False``): rank ``r`` starts from that segment and passes completed
-    segments on, receiving straight into place.
+    A phase is ``n-1`` hops; :func:`ring_send_segment` says which segment each
+    rank sends at each hop. Reduce-scatter: at hop ``s`` rank ``r`` sends
+    segment ``r-s`` and adds what it receives into segment ``r-s-1``;
+    afterwards it holds the full sum of segment ``r+1``. All-gather: rank ``r``
+    starts from that segment and passes completed segments on, receiving
+    straight into place.
 
     Each segment is cut into ``k`` chunks (``k >= 2`` from 2 MiB). What
     chunk ``j`` sends at one hop is what it received at the hop before, ``k``
@@ -137,13 +184,17 @@ def _ring_pipeline(flat: torch.Tensor, ring: _Ring, phases: tuple[bool, ...], ch
     chunk_elems = max(1, -(-longest // per_segment))
     depth = min(per_segment, max_in_flight)
     steps = []  # (chunk to send, chunk to receive into, add it?)
-    for reduce in phases:
-        offset = 0 if reduce else 1
+    for phase in phases:
+        reduce = phase is Phase.REDUCE_SCATTER
         for hop in range(n - 1):
-            send = _chunks(segments[(r + offset - hop) % n], chunk_elems)
-            recv = _chunks(segments[(r + offset - hop - 1) % n], chunk_elems)
+            send = _chunks(segments[ring_send_segment(r, hop, phase, n)], chunk_elems)
+            recv = _chunks(segments[ring_send_segment(r - 1, hop, phase, n)], chunk_elems)
             steps += [(_at(send, j), _at(recv, j), reduce) for j in range(per_segment)]
-    scratch = [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(depth + 1)] if any(phases) else []
+    scratch = (
+        [torch.empty(chunk_elems, dtype=flat.dtype, device=flat.device) for _ in range(depth + 1)]
+        if Phase.REDUCE_SCATTER in phases
+        else []
+    )
 
     def post(t: int):
         send, recv, reduce = steps[t]
@@ -164,53 +215,42 @@ def _at(chunks: list[torch.Tensor], j: int) -> torch.Tensor | None:
     return chunks[j] if j < len(chunks) else None
 
 
-@_host_staged
-def ring_reduce_scatter(tensor: torch.Tensor, group=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None) -> torch.Tensor:
+@_in_place_collective
+def ring_reduce_scatter(
+    flat: torch.Tensor, ring: _Ring, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None
+) -> torch.Tensor:
     """Sum ``tensor`` over ranks and return this rank's segment of the sum
     (segment ``(rank+1) % n`` of :func:`segment_bounds`); the rest of
     ``tensor`` holds partial sums afterwards."""
-    ring = _Ring(group)
-    flat, copied = _flat_view(tensor)
     if ring.size > 1:
-        _ring_pipeline(flat, ring, (True,), chunk_bytes, traffic)
+        _ring_pipeline(flat, ring, (Phase.REDUCE_SCATTER,), chunk_bytes, traffic)
     a, b = segment_bounds(flat.numel(), ring.size)[(ring.rank + 1) % ring.size]
-    if copied:
-        tensor.copy_(flat.view(tensor.shape))
     return flat[a:b]
 
 
-@_host_staged
-def ring_all_gather(tensor: torch.Tensor, group=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None) -> torch.Tensor:
+@_in_place_collective
+def ring_all_gather(
+    flat: torch.Tensor, ring: _Ring, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None
+) -> None:
     """Each rank owns segment ``(rank+1) % n`` of ``tensor``; afterwards every
     rank holds every segment. In place; returns ``tensor``."""
-    ring = _Ring(group)
-    flat, copied = _flat_view(tensor)
     if ring.size > 1:
-        _ring_pipeline(flat, ring, (False,), chunk_bytes, traffic)
-    if copied:
-        tensor.copy_(flat.view(tensor.shape))
-    return tensor
+        _ring_pipeline(flat, ring, (Phase.ALL_GATHER,), chunk_bytes, traffic)
 
 
-@_host_staged
-def ring_all_reduce(tensor: torch.Tensor, group=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None) -> torch.Tensor:
+@_in_place_collective
+def ring_all_reduce(
+    flat: torch.Tensor, ring: _Ring, chunk_bytes: int = DEFAULT_CHUNK_BYTES, traffic: Traffic | None = None
+) -> None:
     """In-place SUM all-reduce: ring reduce-scatter, then ring all-gather."""
-    ring = _Ring(group)
-    if ring.size == 1:
-        return tensor
-    flat, copied = _flat_view(tensor)
-    _ring_pipeline(flat, ring, (True, False), chunk_bytes, traffic)
-    if copied:
-        tensor.copy_(flat.view(tensor.shape))
-    return tensor
+    if ring.size > 1:
+        _ring_pipeline(flat, ring, (Phase.REDUCE_SCATTER, Phase.ALL_GATHER), chunk_bytes, traffic)
 
 
-@_host_staged
-def naive_ring_all_reduce(tensor: torch.Tensor, group=None, traffic: Traffic | None = None) -> torch.Tensor:
+@_in_place_collective
+def naive_ring_all_reduce(flat: torch.Tensor, ring: _Ring, traffic: Traffic | None = None) -> None:
     """The whole tensor hops around the ring ``n-1`` times; each rank adds
     what passes through. Correct, and ``n/2`` times the ring's traffic."""
-    ring = _Ring(group)
-    flat, copied = _flat_view(tensor)
     passing, arriving = flat.clone(), torch.empty_like(flat)
     total = flat.clone()
     for _ in range(ring.size - 1):
@@ -218,21 +258,17 @@ def naive_ring_all_reduce(tensor: torch.Tensor, group=None, traffic: Traffic | N
         total += arriving
         passing, arriving = arriving, passing
     flat.copy_(total)
-    if copied:
-        tensor.copy_(flat.view(tensor.shape))
-    return tensor
 
 
-@_host_staged
-def reduce_broadcast_all_reduce(tensor: torch.Tensor, group=None, traffic: Traffic | None = None) -> torch.Tensor:
+@_in_place_collective
+def reduce_broadcast_all_reduce(flat: torch.Tensor, ring: _Ring, traffic: Traffic | None = None) -> None:
     """Everyone sends to rank 0; rank 0 sums and sends the result to everyone.
     ``2(n-1) S`` bytes pass through rank 0 while the others wait."""
-    ring = _Ring(group)
-    flat, copied = _flat_view(tensor)
-    root = ring.global_rank(0)
+    group, root = ring.group, ring.global_rank(0)
     if ring.rank == 0:
         inbox = [torch.empty_like(flat) for _ in range(ring.size - 1)]
-        _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, ring.global_rank(i + 1), group) for i, buf in enumerate(inbox)]) if inbox else [])
+        receives = [dist.P2POp(dist.irecv, buf, ring.global_rank(i + 1), group) for i, buf in enumerate(inbox)]
+        _wait(dist.batch_isend_irecv(receives) if receives else [])
         for buf in inbox:
             flat += buf
         sends = [dist.P2POp(dist.isend, flat, ring.global_rank(i), group) for i in range(1, ring.size)]
@@ -245,9 +281,6 @@ def reduce_broadcast_all_reduce(tensor: torch.Tensor, group=None, traffic: Traff
             traffic.add(flat)
         _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, root, group)]))
         _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, flat, root, group)]))
-    if copied:
-        tensor.copy_(flat.view(tensor.shape))
-    return tensor
 
 
 ALL_REDUCES = {

@@ -1,78 +1,156 @@
-"""The training configuration, and the command line generated from it.
+"""The training configuration: one dataclass per concern, one flag per field.
 
-Each field's ``help`` is its documentation and its ``--help`` text: one
-source, so the two cannot drift apart.
+Each field's help text is its documentation and its ``--help`` line
+(:mod:`distlab.cli` builds the parser from these classes). Sections group
+the fields; the flags stay flat (``--strategy``, ``--fsdp-reshard-after-forward``).
 """
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
-from .models import MODEL_NAMES
-from .strategies import STRATEGY_NAMES
+from .cli import from_flags, option, section
+from .models import GPT_PRESETS, MODEL_NAMES, model_input_kind
+from .parallel import STRATEGIES
+from .runtime import DistlabError
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+@dataclass
+class ModelConfig:
+    name: str = option(
+        "cnn", "cnn (the reference notes' MNIST CNN), resnet18, or a GPT preset", flag="model", choices=MODEL_NAMES
+    )
+    seq_len: int = option(64, "GPT models: tokens per sample")
+
+
+@dataclass
+class DataConfig:
+    dataset: Literal["mnist", "cifar10", "synthetic"] = option(
+        "synthetic",
+        "mnist, cifar10 (torchvision, downloaded into --data-dir when online) or synthetic (offline, same shapes)",
+    )
+    data_dir: str = option("./data", "where mnist/cifar10 live or are downloaded to")
+    download: bool = option(True, "rank 0 downloads mnist/cifar10 into --data-dir when they are missing")
+    synthetic_size: int = option(8192, "synthetic: training samples (test set: one eighth)")
+    loader: Literal["dataloader", "device"] = option(
+        "dataloader", "dataloader (DistributedSampler + DataLoader) or device (whole dataset resident on the device)"
+    )
+    num_workers: int = option(2, "dataloader: worker processes per rank (keep <= 2 per rank on Kaggle's 4 vCPUs)")
+    pin_memory: bool = option(True, "dataloader: page-locked host batches (only with --device cuda)")
+    non_blocking: bool = option(True, "dataloader: asynchronous host-to-device copies")
+    eval_batch_size: int = option(512, "samples per rank per evaluation batch")
+
+
+@dataclass
+class TrainingConfig:
+    epochs: int = option(1, "passes over the training set")
+    batch_size: int = option(
+        128, "samples per rank per micro-step; the global batch is batch_size x ranks x accum_steps"
+    )
+    accum_steps: int = option(1, "micro-steps per optimizer step; all but the last skip gradient sync (no_sync)")
+    max_steps: int = option(0, "stop each epoch after this many optimizer steps (0: the whole epoch)")
+    lr: float = option(1e-3, "learning rate")
+    optimizer: Literal["adam", "adamw", "sgd"] = option("adam", "adam, adamw or sgd (momentum 0.9)")
+    seed: int = option(0, "seeds the weights (identical on every rank) and the data order")
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = option(
+        "ddp",
+        "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the "
+        "course's own naive_ddp / bucketed_ddp",
+        choices=list(STRATEGIES),
+    )
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "auto (cuda if present), cpu, or cuda; the backend follows: nccl on cuda, gloo on cpu"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto", "override the backend: gloo also lets several ranks share one GPU"
+    )
+    timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
+    ddp_bucket_cap_mb: float = option(25.0, "ddp and bucketed_ddp: gradient bucket size in MB")
+    ddp_broadcast_buffers: bool = option(
+        True, "ddp: copy rank 0's buffers (BatchNorm statistics) to every rank before each forward"
+    )
+    fsdp_reshard_after_forward: bool = option(
+        True,
+        "fsdp: free gathered parameters after forward (FULL_SHARD); --no-... keeps them until backward (SHARD_GRAD_OP)",
+    )
+    fsdp_param_dtype: Literal["none", "bf16", "fp16"] = option(
+        "none", "fsdp: MixedPrecisionPolicy parameter dtype (gradients reduced in fp32)"
+    )
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["fp32", "fp16", "bf16"] = option(
+        "fp32", "fp32, fp16 (autocast + GradScaler; use this on T4) or bf16 (autocast)", flag="precision"
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    save_model: bool = option(False, "also write the full state dict next to the result file (gathered on rank 0)")
+
+
+@dataclass
+class OutputConfig:
+    out: str = option("results", "directory for the result JSON (written by rank 0)")
+    run_name: str = option("", "result file name without .json (default: strategy-model-dataset-ranks-device)")
+    log_every: int = option(0, "rank 0 prints progress every this many steps (0: about ten times an epoch; -1: never)")
 
 
 @dataclass
 class TrainConfig:
-    """Everything one training run depends on."""
+    """Train one model with one strategy and write a result JSON with provenance.
 
-    strategy: str = _opt("ddp", "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the course's own naive_ddp / bucketed_ddp (distlab.mini_ddp)", choices=list(STRATEGY_NAMES))
-    model: str = _opt("cnn", "cnn (the reference notes' MNIST CNN), resnet18, or a GPT preset", choices=MODEL_NAMES)
-    dataset: str = _opt("synthetic", "mnist, cifar10 (torchvision, downloaded into --data-dir when online) or synthetic (offline, same shapes)", choices=["mnist", "cifar10", "synthetic"])
-    device: str = _opt("auto", "auto (cuda if present), cpu, or cuda; the backend follows: nccl on cuda, gloo on cpu", choices=["auto", "cpu", "cuda"])
-    backend: str = _opt("auto", "override the backend: gloo also lets several ranks share one GPU", choices=["auto", "gloo", "nccl"])
-    epochs: int = _opt(1, "passes over the training set")
-    batch_size: int = _opt(128, "samples per rank per micro-step; the global batch is batch_size x ranks x accum_steps")
-    accum_steps: int = _opt(1, "micro-steps per optimizer step; all but the last skip gradient sync (no_sync)")
-    lr: float = _opt(1e-3, "learning rate")
-    optimizer: str = _opt("adam", "adam, adamw or sgd (momentum 0.9)", choices=["adam", "adamw", "sgd"])
-    precision: str = _opt("fp32", "fp32, fp16 (autocast + GradScaler; use this on T4) or bf16 (autocast)", choices=["fp32", "fp16", "bf16"])
-    fsdp_reshard_after_forward: bool = _opt(True, "fsdp: free gathered parameters after forward (FULL_SHARD); --no-... keeps them until backward (SHARD_GRAD_OP)")
-    fsdp_param_dtype: str = _opt("none", "fsdp: MixedPrecisionPolicy parameter dtype (gradients reduced in fp32)", choices=["none", "bf16", "fp16"])
-    ddp_bucket_cap_mb: float = _opt(25.0, "ddp and bucketed_ddp: gradient bucket size in MB")
-    loader: str = _opt("dataloader", "dataloader (DistributedSampler + DataLoader) or device (whole dataset resident on the device)", choices=["dataloader", "device"])
-    num_workers: int = _opt(2, "dataloader: worker processes per rank (keep <= 2 per rank on Kaggle's 4 vCPUs)")
-    pin_memory: bool = _opt(True, "dataloader: page-locked host batches (only with --device cuda)")
-    non_blocking: bool = _opt(True, "dataloader: asynchronous host-to-device copies")
-    max_steps: int = _opt(0, "stop each epoch after this many optimizer steps (0: the whole epoch)")
-    synthetic_size: int = _opt(8192, "synthetic: training samples (test set: one eighth)")
-    seq_len: int = _opt(64, "GPT models: tokens per sample")
-    eval_batch_size: int = _opt(512, "samples per rank per evaluation batch")
-    seed: int = _opt(0, "seeds the weights (identical on every rank) and the data order")
-    data_dir: str = _opt("./data", "where mnist/cifar10 live or are downloaded to")
-    download: bool = _opt(True, "rank 0 downloads mnist/cifar10 into --data-dir when they are missing")
-    out: str = _opt("results", "directory for the result JSON (written by rank 0)")
-    run_name: str = _opt("", "result file name without .json (default: strategy-model-dataset-ranks-device)")
-    log_every: int = _opt(0, "rank 0 prints progress every this many steps (0: about ten times an epoch; -1: never)")
-    timeout_s: float = _opt(300.0, "seconds a collective may wait for a peer before the run fails")
-    save_model: bool = _opt(False, "also write the full state dict next to the result file")
+    Everything one training run depends on, in sections."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    training: TrainingConfig = section(TrainingConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    precision: PrecisionConfig = section(PrecisionConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    output: OutputConfig = section(OutputConfig)
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> TrainConfig:
+        """``TrainConfig.from_flags(strategy="fsdp", batch_size=8)``: the command line's names, from Python."""
+        config = from_flags(cls, **flags)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Mistakes visible in the configuration alone, each with its fix."""
+        t = self.training
+        for flag, value in (
+            ("--batch-size", t.batch_size),
+            ("--accum-steps", t.accum_steps),
+            ("--eval-batch-size", self.data.eval_batch_size),
+            ("--epochs", t.epochs),
+        ):
+            if value < 1:
+                raise DistlabError(f"{flag} must be at least 1, not {value}")
+        if model_input_kind(self.model.name) == "tokens":
+            if self.data.dataset != "synthetic":
+                raise DistlabError(
+                    f"the GPT models read tokens, not {self.data.dataset} images: use --dataset synthetic"
+                )
+            longest = GPT_PRESETS[self.model.name].seq_len
+            if not 1 <= self.model.seq_len <= longest:
+                raise DistlabError(
+                    f"{self.model.name} takes sequences of 1 to {longest} tokens, not --seq-len {self.model.seq_len}"
+                )
+
+    def run_name(self, world_size: int, device_type: str) -> str:
+        """The result file's name: ``--run-name``, or what the run was."""
+        return (
+            self.output.run_name
+            or f"{self.parallel.strategy}-{self.model.name}-{self.data.dataset}-{world_size}x{device_type}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrun --standalone --nproc_per_node=N -m distlab.train",
-        description="Train one model with one strategy and write a result JSON with provenance.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        meta = dict(f.metadata)
-        default = f.default if f.default is not MISSING else None
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=meta["help"], choices=meta.get("choices"))
-    return parser
-
-
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))

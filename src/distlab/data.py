@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,15 @@ class SyntheticImages(Dataset):
     """Images of MNIST or CIFAR-10 shape that a model can learn: each class is
     a fixed random template, each sample that template plus noise."""
 
-    def __init__(self, shape: tuple[int, ...], num_samples: int, num_classes: int = 10, seed: int = 0, noise: float = 1.0, split_seed: int = 0):
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        num_samples: int,
+        num_classes: int = 10,
+        seed: int = 0,
+        noise: float = 1.0,
+        split_seed: int = 0,
+    ):
         templates = torch.randn((num_classes, *shape), generator=torch.Generator().manual_seed(seed))
         gen = torch.Generator().manual_seed(seed * 1_000_003 + 1 + split_seed)
         self.targets = torch.randint(num_classes, (num_samples,), generator=gen)
@@ -108,7 +116,17 @@ def _fetch_or_explain(name: str, root: str, runtime: Runtime, download: bool) ->
         )
 
 
-def load_datasets(name: str, root: str, runtime: Runtime, synthetic_size: int = 8192, model_kind: str = "image", vocab_size: int = 256, seq_len: int = 64, seed: int = 0, download: bool = True):
+def load_datasets(
+    name: str,
+    root: str,
+    runtime: Runtime,
+    synthetic_size: int = 8192,
+    model_kind: str = "image",
+    vocab_size: int = 256,
+    seq_len: int = 64,
+    seed: int = 0,
+    download: bool = True,
+):
     """Return ``(train, test, spec)`` for ``mnist``, ``cifar10`` or ``synthetic``.
 
     ``synthetic`` takes the shape the model wants: MNIST-shaped images for
@@ -118,9 +136,17 @@ def load_datasets(name: str, root: str, runtime: Runtime, synthetic_size: int = 
         test_size = max(synthetic_size // 8, 64)
         if model_kind == "tokens":
             spec = DataSpec("tokens", (seq_len,), vocab_size)
-            return SyntheticTokens(vocab_size, seq_len, synthetic_size, seed), SyntheticTokens(vocab_size, seq_len, test_size, seed + 1), spec
+            return (
+                SyntheticTokens(vocab_size, seq_len, synthetic_size, seed),
+                SyntheticTokens(vocab_size, seq_len, test_size, seed + 1),
+                spec,
+            )
         shape = IMAGE_SHAPES["mnist"]
-        return (SyntheticImages(shape, synthetic_size, seed=seed), SyntheticImages(shape, test_size, seed=seed, split_seed=1), DataSpec("image", shape, 10))
+        return (
+            SyntheticImages(shape, synthetic_size, seed=seed),
+            SyntheticImages(shape, test_size, seed=seed, split_seed=1),
+            DataSpec("image", shape, 10),
+        )
     if name not in IMAGE_SHAPES:
         raise DistlabError(f"unknown dataset {name!r}: use mnist, cifar10 or synthetic")
     if model_kind == "tokens":
@@ -151,9 +177,30 @@ def as_tensors(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
 class SampledLoader:
     """A DataLoader fed by a DistributedSampler, moving batches to the device."""
 
-    def __init__(self, dataset: Dataset, batch_size: int, runtime: Runtime, seed: int = 0, shuffle: bool = True, num_workers: int = 0, pin_memory: bool = False, non_blocking: bool = False, drop_last: bool = True):
-        self.sampler = DistributedSampler(dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers, pin_memory=pin_memory and runtime.device.type == "cuda", drop_last=drop_last, persistent_workers=num_workers > 0)
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        runtime: Runtime,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        non_blocking: bool = False,
+        drop_last: bool = True,
+    ):
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory and runtime.device.type == "cuda",
+            drop_last=drop_last,
+            persistent_workers=num_workers > 0,
+        )
         self.device, self.non_blocking = runtime.device, non_blocking
 
     def set_epoch(self, epoch: int) -> None:
@@ -167,7 +214,9 @@ class SampledLoader:
             yield tuple(t.to(self.device, non_blocking=self.non_blocking) for t in batch)
 
 
-def shard_indices(n: int, world_size: int, rank: int, seed: int, epoch: int, shuffle: bool = True, drop_last: bool = True) -> torch.Tensor:
+def shard_indices(
+    n: int, world_size: int, rank: int, seed: int, epoch: int, shuffle: bool = True, drop_last: bool = True
+) -> torch.Tensor:
     """This rank's indices for one epoch: the same split DistributedSampler makes."""
     if shuffle:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
@@ -188,7 +237,7 @@ class DeviceResidentLoader:
     the whole input pipeline.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, runtime: Runtime, seed: int = 0, shuffle: bool = True, drop_last: bool = True):
+    def __init__(self, dataset: Dataset, batch_size: int, runtime: Runtime, seed=0, shuffle=True, drop_last=True):
         inputs, targets = as_tensors(dataset)
         self.inputs, self.targets = inputs.to(runtime.device), targets.to(runtime.device)
         self.batch_size, self.runtime, self.seed = batch_size, runtime, seed
@@ -198,12 +247,18 @@ class DeviceResidentLoader:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        per_rank = len(shard_indices(len(self.targets), self.runtime.world_size, self.runtime.rank, self.seed, 0, False, self.drop_last))
+        per_rank = len(
+            shard_indices(
+                len(self.targets), self.runtime.world_size, self.runtime.rank, self.seed, 0, False, self.drop_last
+            )
+        )
         return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rt = self.runtime
-        mine = shard_indices(len(self.targets), rt.world_size, rt.rank, self.seed, self.epoch, self.shuffle, self.drop_last).to(rt.device)
+        mine = shard_indices(
+            len(self.targets), rt.world_size, rt.rank, self.seed, self.epoch, self.shuffle, self.drop_last
+        ).to(rt.device)
         for start in range(0, len(self) * self.batch_size, self.batch_size):
             idx = mine[start : start + self.batch_size]
             yield self.inputs[idx], self.targets[idx]
@@ -227,7 +282,9 @@ class EvalShard(Dataset):
         return x, y, position < len(self.dataset)
 
 
-def eval_loader(dataset: Dataset, batch_size: int, runtime: Runtime, num_workers: int = 0) -> Iterator[tuple[torch.Tensor, ...]]:
+def eval_loader(
+    dataset: Dataset, batch_size: int, runtime: Runtime, num_workers: int = 0
+) -> Iterator[tuple[torch.Tensor, ...]]:
     shard = EvalShard(dataset, runtime.world_size, runtime.rank)
     for batch in DataLoader(shard, batch_size=batch_size, num_workers=num_workers):
         yield tuple(t.to(runtime.device) for t in batch)

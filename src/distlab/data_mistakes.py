@@ -12,24 +12,31 @@ what it detects from the batches alone.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from .checks import DataOrderCheck
-from .results import write_result
+from .cli import ResultConfig, finish_run, option, parse
 from .runtime import distributed, run_main
 
 
 def loaders(dataset, batch_size: int) -> dict[str, tuple[DataLoader, bool]]:
     """Scenario name -> (loader, whether the loop calls set_epoch)."""
+    # The same shuffle seed on every rank, as in scripts that seed everything for identical initial weights.
+    same_seed_everywhere = torch.Generator().manual_seed(0)
     return {
-        "no sampler": (DataLoader(dataset, batch_size=batch_size, shuffle=True), False),
-        "sampler, no set_epoch": (DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=0)), False),
-        "sampler + set_epoch": (DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=0)), True),
+        "no sampler": (DataLoader(dataset, batch_size=batch_size, shuffle=True, generator=same_seed_everywhere), False),
+        "sampler, no set_epoch": (
+            DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=0)),
+            False,
+        ),
+        "sampler + set_epoch": (
+            DataLoader(dataset, batch_size=batch_size, sampler=DistributedSampler(dataset, seed=0)),
+            True,
+        ),
     }
 
 
@@ -42,7 +49,7 @@ def run_scenario(loader: DataLoader, calls_set_epoch: bool, epochs: int) -> dict
         order = []
         for step, (indices,) in enumerate(loader):
             if step == 0:
-                problems += check.first_batch(epoch, indices)
+                problems += check.check_first_batch(epoch, indices)
             order += indices.tolist()
         orders.append(order)
     every_rank: list = [None] * dist.get_world_size()
@@ -58,25 +65,40 @@ def run_scenario(loader: DataLoader, calls_set_epoch: bool, epochs: int) -> dict
     }
 
 
+@dataclass
+class DataMistakesConfig(ResultConfig):
+    """Run the two classic DDP data mistakes and watch the check catch them."""
+
+    samples: int = option(1000, "dataset size")
+    batch_size: int = option(50, "samples per rank per step")
+    epochs: int = option(3, "epochs per scenario")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="torchrun --standalone --nproc_per_node=N -m distlab.data_mistakes", description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=1000, help="dataset size")
-    parser.add_argument("--batch-size", type=int, default=50, help="samples per rank per step")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per scenario")
-    parser.add_argument("--out", default="results", help="directory for the result JSON")
-    args = parser.parse_args(argv)
+    cfg = parse(DataMistakesConfig, argv)
     with distributed("cpu") as runtime:
-        torch.manual_seed(0)  # the same seed on every rank, as scripts that want identical initial weights do
-        dataset = TensorDataset(torch.arange(args.samples))
-        report = {name: run_scenario(loader, set_epoch, args.epochs) for name, (loader, set_epoch) in loaders(dataset, args.batch_size).items()}
+        dataset = TensorDataset(torch.arange(cfg.samples))
+        report = {
+            name: run_scenario(loader, set_epoch, cfg.epochs)
+            for name, (loader, set_epoch) in loaders(dataset, cfg.batch_size).items()
+        }
         for name, row in report.items():
-            runtime.log(f"{name:<22} each rank {row['samples_per_rank_per_epoch']:>5} samples/epoch, distinct over ranks {row['distinct_samples_per_epoch']:>5} of {args.samples}, "
-                        f"seen by every rank {row['seen_by_every_rank']:>5}, epochs repeating the last order {row['epochs_repeating_previous_order']}/{args.epochs - 1}")
+            runtime.log(
+                f"{name:<22} each rank {row['samples_per_rank_per_epoch']:>5} samples/epoch, distinct over "
+                f"ranks {row['distinct_samples_per_epoch']:>5} of {cfg.samples}, "
+                f"seen by every rank {row['seen_by_every_rank']:>5}, epochs repeating the last order "
+                f"{row['epochs_repeating_previous_order']}/{cfg.epochs - 1}"
+            )
             for problem in row["problems"]:
                 runtime.log(f"    check: {problem}")
-        if runtime.is_main:
-            path = write_result(Path(args.out) / f"data-mistakes-{runtime.world_size}xcpu.json", "data_mistakes", vars(args), report, runtime.device, world_size=runtime.world_size, backend=runtime.backend)
-            runtime.log(f"wrote {path}")
+        finish_run(
+            runtime,
+            cfg.output.out,
+            cfg.output.name or f"data-mistakes-{runtime.world_size}xcpu",
+            "data_mistakes",
+            asdict(cfg),
+            report,
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cli import parse
+from .config import TrainConfig
 from .results import read_result
-from .runtime import DistlabError
+from .runtime import DistlabError, resolve_device
 
 
 @dataclass
@@ -25,7 +27,33 @@ class JobOutput:
     output: str
 
 
-def torchrun(target: str, *args: str, nproc: int = 2, echo: bool = True, timeout_s: float = 1800, threads_per_rank: int | None = None) -> JobOutput:
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_command(nproc: int, target: str, *args: str) -> list[str]:
+    """``torchrun --standalone`` on a ``.py`` script or a module name."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += [target] if target.endswith(".py") else ["-m", target]
+    return command + [str(a) for a in args]
+
+
+def launcher_environment(threads_per_rank: int) -> dict[str, str]:
+    """This process's environment for a fresh torchrun job: a launcher inside
+    a launched process must not inherit the outer job's rank variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
+    for var in LAUNCHER_VARIABLES:
+        env.pop(var, None)
+    return env
+
+
+def torchrun(
+    target: str,
+    *args: str,
+    nproc: int = 2,
+    echo: bool = True,
+    timeout_s: float = 1800,
+    threads_per_rank: int | None = None,
+) -> JobOutput:
     """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
 
     ``target`` is a ``.py`` path or a module name (``distlab.train``).
@@ -33,14 +61,10 @@ def torchrun(target: str, *args: str, nproc: int = 2, echo: bool = True, timeout
     one-rank run and a four-rank run use the same machine.
     """
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    module = not target.endswith(".py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command += ["-m", target] if module else [target]
-    command += [str(a) for a in args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a launcher inside a launched process would inherit the wrong job
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    command = torchrun_command(nproc, target, *args)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launcher_environment(threads_per_rank)
+    )
     lines = []
     try:
         for line in process.stdout:
@@ -61,24 +85,35 @@ def torchrun(target: str, *args: str, nproc: int = 2, echo: bool = True, timeout
 
 def _torchrun_noise(line: str) -> bool:
     """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
-    return "OMP_NUM_THREADS" in line or line.rstrip().endswith("*****************************************") or "site-packages/torch/distributed/run.py" in line
+    return (
+        "OMP_NUM_THREADS" in line
+        or line.rstrip().endswith("*****************************************")
+        or "site-packages/torch/distributed/run.py" in line
+    )
 
 
-def train(*args: str, nproc: int = 2, out: str | os.PathLike = "results", echo: bool = True, threads_per_rank: int | None = None) -> dict:
+def train(
+    *args: str,
+    nproc: int = 2,
+    out: str | os.PathLike = "results",
+    echo: bool = True,
+    threads_per_rank: int | None = None,
+) -> dict:
     """Run ``distlab.train`` under torchrun and return the result it wrote."""
     args = [str(a) for a in args]
-    run_name = _flag_value(args, "--run-name") or _default_name(args, nproc)
-    torchrun("distlab.train", *args, "--out", str(out), "--run-name", run_name, nproc=nproc, echo=echo, threads_per_rank=threads_per_rank)
+    # A bad flag fails here, before any rank starts.
+    cfg = parse(TrainConfig, [*args, "--out", str(out)], "distlab.train")
+    device = resolve_device(cfg.parallel.device, 0, cfg.parallel.backend)
+    run_name = cfg.run_name(nproc, device.type)
+    torchrun(
+        "distlab.train",
+        *args,
+        "--out",
+        str(out),
+        "--run-name",
+        run_name,
+        nproc=nproc,
+        echo=echo,
+        threads_per_rank=threads_per_rank,
+    )
     return read_result(Path(out) / f"{run_name}.json")
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    return args[args.index(flag) + 1] if flag in args else None
-
-
-def _default_name(args: list[str], nproc: int) -> str:
-    from .config import TrainConfig
-
-    pick = lambda flag, default: _flag_value(args, flag) or default  # noqa: E731
-    base = TrainConfig()
-    return f"{pick('--strategy', base.strategy)}-{pick('--model', base.model)}-{pick('--dataset', base.dataset)}-{nproc}ranks"

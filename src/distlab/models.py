@@ -1,19 +1,54 @@
 """The course's models: the reference notes' MNIST CNN, ResNet-18 and a
 GPT-style transformer with size presets.
 
-Every model lists its ``shard_units``: the submodules FSDP wraps one by one
-(each becomes one all-gather in forward and one reduce-scatter in backward).
+Every model keeps the :class:`ShardUnits` protocol: ``shard_units()`` lists
+the submodules a sharding strategy wraps one by one (each becomes one
+all-gather in forward and one reduce-scatter in backward), and
+``init_weights()`` initialises every parameter and buffer in place, so a
+model built on the ``meta`` device can be sharded first and materialised
+afterwards (:func:`materialize`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchvision.models.resnet import BasicBlock, ResNet
 
 from .runtime import DistlabError
+
+
+@runtime_checkable
+class ShardUnits(Protocol):
+    """What a model offers the sharding strategies."""
+
+    def shard_units(self) -> list[nn.Module]:
+        """Submodules to shard one by one, in forward order; the rest goes with the root."""
+        ...
+
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter and buffer in place."""
+        ...
+
+
+def require_shard_units(model: nn.Module, strategy: str) -> list[nn.Module]:
+    """The model's shard units, or one sentence on why a sharding strategy cannot use it."""
+    if not isinstance(model, ShardUnits):
+        raise DistlabError(
+            f"strategy {strategy} shards a model unit by unit, but {type(model).__name__} has no shard_units(): "
+            "give it shard_units() and init_weights() (see distlab.models.ShardUnits)"
+        )
+    return model.shard_units()
+
+
+def _reset_parameters(model: nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
 
 class MnistCNN(nn.Module):
@@ -23,12 +58,20 @@ class MnistCNN(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         side = image_size // 8
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * side * side, 128), nn.ReLU(), nn.Linear(128, num_classes))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(128 * side * side, 128), nn.ReLU(), nn.Linear(128, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -36,16 +79,27 @@ class MnistCNN(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return [self.features[0], self.features[3], self.features[6], self.classifier[1], self.classifier[3]]
 
+    def init_weights(self) -> None:
+        _reset_parameters(self)
 
-def resnet18(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
-    """torchvision's ResNet-18, first conv adapted to the input's channels."""
-    from torchvision.models import resnet18 as tv_resnet18
 
-    model = tv_resnet18(num_classes=num_classes)
-    if in_channels != 3:
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-    model.shard_units = lambda: [model.layer1, model.layer2, model.layer3, model.layer4]
-    return model
+class ResNet18(ResNet):
+    """torchvision's ResNet-18, first conv adapted to the input's channels;
+    its four residual stages are the shard units."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10):
+        super().__init__(BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
+        if in_channels != 3:
+            self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def init_weights(self) -> None:
+        _reset_parameters(self)
+        for module in self.modules():  # torchvision's own initialisation of the convolutions
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
 
 
 @dataclass(frozen=True)
@@ -86,7 +140,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -110,14 +166,17 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         if not any(p.is_meta for p in self.parameters()):
-            self.apply(self._init_weights)
+            self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_weights(self) -> None:
+        """GPT-2's: normal(0, 0.02) weights, zero biases, unit LayerNorms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -144,13 +203,15 @@ def model_input_kind(name: str) -> str:
     return "tokens" if name.startswith("gpt") else "image"
 
 
-def build_model(name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28, device: str | torch.device = "cpu") -> nn.Module:
+def build_model(
+    name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28, device: str | torch.device = "cpu"
+) -> nn.Module:
     """Build a model by name; ``device="meta"`` makes one of any size without memory."""
     with torch.device(device):
         if name == "cnn":
             return MnistCNN(in_channels, num_classes, image_size)
         if name == "resnet18":
-            return resnet18(in_channels, num_classes)
+            return ResNet18(in_channels, num_classes)
         if name in GPT_PRESETS:
             return GPT(GPT_PRESETS[name])
     raise DistlabError(f"unknown model {name!r}: choose from {', '.join(MODEL_NAMES)}")
@@ -161,9 +222,26 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.{1 if n < 10 * size else 0}f}{unit}"
-    return str(n)
+def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
+    """Give a model built (and perhaps sharded) on ``meta`` real storage on
+    ``device`` and initialise it from ``seed``, leaving the global RNG as it was.
+    Each rank allocates only what it holds: its shards, under a sharding strategy."""
+    tied = _tied_parameters(model)
+    model.to_empty(device=device)
+    for places in tied:  # to_empty gives each place its own tensor unless a sharding wrapper keeps the tie
+        (owner, attr), rest = places[0], places[1:]
+        for module, name in rest:
+            setattr(module, name, getattr(owner, attr))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.init_weights()
+    return model
 
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold one and the same parameter."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module, name))
+    return [group for group in places.values() if len(group) > 1]

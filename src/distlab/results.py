@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from .runtime import Runtime
 
 SCHEMA = "distlab.result/1"
 
@@ -36,8 +37,16 @@ def _cpu_model() -> str:
 def _git_commit() -> str | None:
     here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -53,8 +62,9 @@ def _command_line() -> str:
     return " ".join(argv)
 
 
-def environment(device: torch.device | None = None) -> dict[str, Any]:
-    """What a reader needs to know to trust, or redo, a measurement."""
+def environment(runtime: Runtime | None = None) -> dict[str, Any]:
+    """What a reader needs to know to trust, or redo, a measurement: versions,
+    machine, commit, command, and where the job ran (backend, ranks, device)."""
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -64,19 +74,19 @@ def environment(device: torch.device | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "git_commit": _git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": _command_line(),
+        "backend": None,
+        "world_size": 1,
     }
-    if dist.is_initialized():
-        env["backend"] = dist.get_backend()
-        env["world_size"] = dist.get_world_size()
-    else:
-        env["backend"], env["world_size"] = None, 1
-    if device is not None:
-        env["device"] = str(device)
+    if runtime is not None:
+        device = runtime.device
+        env.update(backend=runtime.backend, world_size=runtime.world_size, device=str(device))
         env["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else env["cpu"]
     return env
 
@@ -90,11 +100,13 @@ def hardware_label(env: dict[str, Any]) -> str:
     return f"CPU: {env.get('cpu')}, {env.get('cpu_count')} cores ({env.get('backend') or 'no backend'})"
 
 
-def write_result(path: str | os.PathLike, kind: str, config: dict[str, Any], metrics: Any, device: torch.device | None = None, **extra: Any) -> Path:
-    """Write one result file; the caller decides which rank writes."""
+def write_result(
+    path: str | os.PathLike, kind: str, config: dict[str, Any], metrics: Any, runtime: Runtime | None = None
+) -> Path:
+    """Write one result file atomically; the caller decides which rank writes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"schema": SCHEMA, "kind": kind, "config": config, "metrics": metrics, "environment": environment(device), **extra}
+    record = {"schema": SCHEMA, "kind": kind, "config": config, "metrics": metrics, "environment": environment(runtime)}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     tmp.replace(path)

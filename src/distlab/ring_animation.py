@@ -2,8 +2,9 @@
 
 The state is which ranks' contributions each rank holds for each segment;
 the frames follow exactly the schedule :mod:`distlab.collectives` runs
-(segment indices from the same formulas), so the picture cannot drift from
-the code. ``animation(n).to_jshtml()`` gives HTML + JavaScript that plays on
+(segment indices from the same function,
+:func:`~distlab.collectives.ring_send_segment`), so the picture cannot drift
+from the code. ``animation(n).to_jshtml()`` gives HTML + JavaScript that plays on
 the static site.
 """
 
@@ -15,32 +16,42 @@ import matplotlib.pyplot as plt
 from matplotlib import animation as mpl_animation
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from distlab.collectives import Phase, ring_send_segment
+
 
 @dataclass
 class Frame:
     title: str
     held: list[list[frozenset]]  # held[rank][segment]: ranks whose data is summed in
     sends: list[tuple[int, int]]  # (rank, segment) cells on the wire in this hop
+    phase: Phase | None = None  # the phase this frame shows; None before and after the ring runs
 
 
 def ring_schedule(n: int) -> list[Frame]:
     """Frames of reduce-scatter then all-gather, as ``_ring_pipeline`` streams them."""
     held = [[frozenset([r]) for _ in range(n)] for r in range(n)]
-    frames = [Frame(f"start: each of {n} ranks holds its own gradient, cut into {n} segments", [row[:] for row in held], [])]
-    for phase, offset in (("reduce-scatter", 0), ("all-gather", 1)):
+    frames = [Frame(f"start: each of {n} ranks holds its own gradient, cut into {n} segments", _copy(held), [])]
+    for phase in (Phase.REDUCE_SCATTER, Phase.ALL_GATHER):
+        reduce = phase is Phase.REDUCE_SCATTER
+        offset = ring_send_segment(0, 0, phase, n)  # rank 0's first segment: the formula's offset
         for hop in range(n - 1):
-            sends = [(r, (r + offset - hop) % n) for r in range(n)]
-            frames.append(Frame(f"{phase} hop {hop + 1}/{n - 1}: rank r sends segment (r{'+1' if offset else ''}-{hop}) mod {n} to rank r+1", [row[:] for row in held], sends))
-            incoming = [(r + 1) % n for r in range(n)]
-            new = [row[:] for row in held]
+            step = f"{phase.value} hop {hop + 1}/{n - 1}"
+            sends = [(r, ring_send_segment(r, hop, phase, n)) for r in range(n)]
+            formula = f"(r{f'+{offset}' if offset else ''}-{hop}) mod {n}"
+            frames.append(Frame(f"{step}: rank r sends segment {formula} to rank r+1", _copy(held), sends, phase))
+            new = _copy(held)
             for r, seg in sends:
-                dst = incoming[r]
-                new[dst][seg] = held[dst][seg] | held[r][seg] if phase == "reduce-scatter" else held[r][seg]
+                dst = (r + 1) % n  # receives into the segment its predecessor sends
+                new[dst][seg] = held[dst][seg] | held[r][seg] if reduce else held[r][seg]
             held = new
-            label = "added into" if phase == "reduce-scatter" else "copied into"
-            frames.append(Frame(f"{phase} hop {hop + 1}/{n - 1}: received segments {label} the receiver's", [row[:] for row in held], []))
-    frames.append(Frame(f"done: every rank holds the full sum; each sent 2({n}-1)/{n} of the data", [row[:] for row in held], []))
+            label = "added into" if reduce else "copied into"
+            frames.append(Frame(f"{step}: received segments {label} the receiver's", _copy(held), [], phase))
+    frames.append(Frame(f"done: every rank holds the full sum; each sent 2({n}-1)/{n} of the data", _copy(held), []))
     return frames
+
+
+def _copy(held: list[list[frozenset]]) -> list[list[frozenset]]:
+    return [row[:] for row in held]
 
 
 def _draw(ax, frame: Frame, n: int) -> None:
@@ -50,13 +61,25 @@ def _draw(ax, frame: Frame, n: int) -> None:
         for s in range(n):
             count = len(frame.held[r][s])
             ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, color=cmap(0.15 + 0.75 * count / n)))
-            ax.text(s + 0.46, n - 1 - r + 0.43, "+".join(map(str, sorted(frame.held[r][s]))), ha="center", va="center", fontsize=max(6, 12 - n), color="white" if count > n / 2 else "black")
+            ax.text(
+                s + 0.46,
+                n - 1 - r + 0.43,
+                "+".join(map(str, sorted(frame.held[r][s]))),
+                ha="center",
+                va="center",
+                fontsize=max(6, 12 - n),
+                color="white" if count > n / 2 else "black",
+            )
     for r, s in frame.sends:
         dst = (r + 1) % n
         ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, fill=False, lw=2.5, ec="tab:red"))
         start, end = (s + 0.46, n - 1 - r + 0.05), (s + 0.46, n - 1 - dst + 0.81)
         style = "arc3,rad=0.0" if dst > r else "arc3,rad=-0.35"  # the wrap-around hop from the last rank to rank 0
-        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color="tab:red", connectionstyle=style, lw=1.5))
+        ax.add_patch(
+            FancyArrowPatch(
+                start, end, arrowstyle="-|>", mutation_scale=14, color="tab:red", connectionstyle=style, lw=1.5
+            )
+        )
     ax.set_xlim(-0.1, n + 0.1)
     ax.set_ylim(-0.2, n + 0.1)
     ax.set_xticks([s + 0.46 for s in range(n)], [f"seg {s}" for s in range(n)])

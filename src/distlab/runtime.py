@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The reduced-precision dtypes a command line can name; anything else means fp32."""
 
 
 class DistlabError(RuntimeError):
@@ -78,8 +82,7 @@ def resolve_device(device: str, local_rank: int, backend: str = "auto") -> torch
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise DistlabError(
-            "--device cuda was asked for but this machine has no usable CUDA GPU; "
-            "run with --device cpu (gloo) instead"
+            "--device cuda was asked for but this machine has no usable CUDA GPU; run with --device cpu (gloo) instead"
         )
     count = torch.cuda.device_count()
     if local_rank >= count:
@@ -143,6 +146,22 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
             dist.destroy_process_group()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock measures it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gather_per_rank(value: Any, runtime: Runtime) -> list[Any] | None:
+    """Every rank's ``value`` (any picklable object), in rank order, on rank 0;
+    ``None`` elsewhere. Results store it as ``metrics["ranks"]``."""
+    if runtime.world_size == 1:
+        return [value]
+    gathered: list[Any] | None = [None] * runtime.world_size if runtime.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
 def run_main(main, argv=None) -> None:
     """Call ``main(argv)`` and turn the errors a user can fix into one line.
 
@@ -163,7 +182,10 @@ def run_main(main, argv=None) -> None:
         raise SystemExit(2) from None
     except dist.DistError as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        say(f"distlab: rank {rank} lost contact with its peers ({first_line}); another rank most likely failed first: read its error above")
+        say(
+            f"distlab: rank {rank} lost contact with its peers ({first_line}); another rank most likely "
+            "failed first: read its error above"
+        )
         raise SystemExit(3) from None
     except KeyboardInterrupt:
         say(f"distlab: rank {rank} interrupted")

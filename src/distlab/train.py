@@ -2,18 +2,21 @@
 
     torchrun --standalone --nproc_per_node=2 -m distlab.train --strategy ddp --model cnn --dataset mnist
 
-Read it top to bottom: build data and model, let the strategy wrap the model,
-then the same epoch loop for single, ddp and fsdp. Accumulation micro-steps
-run inside ``strategy.no_sync``; evaluation runs on every rank and reduces
-its counts.
+Read it top to bottom: :func:`build_run` builds the data, the model (wrapped
+by the strategy) and the optimizer; :func:`train_step` is one optimizer step
+of accumulated micro-steps; :func:`train_epoch` runs the steps of an epoch
+and reduces its numbers once; :func:`evaluate` counts on every rank and
+reduces. Where the run stands lives in :class:`TrainState`, which a
+checkpoint can save and restore.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,191 +24,364 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoint import full_state_dict
 from .checks import DataOrderCheck
-from .config import TrainConfig, parse_config
+from .cli import finish_run, parse
+from .config import TrainConfig
 from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
-from .models import GPT_PRESETS, build_model, count_parameters, model_input_kind
-from .results import write_result
-from .runtime import DistlabError, Runtime, distributed, run_main
-from .strategies import Strategy, full_state_dict, make_strategy
+from .models import GPT_PRESETS, build_model, count_parameters, materialize, model_input_kind
+from .parallel import Strategy, make_strategy
+from .runtime import LOW_PRECISION, DistlabError, Runtime, distributed, run_main, synchronize
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Above this many parameters a sharding strategy builds the model on the meta
+# device and materialises only each rank's shards.
+META_INIT_FROM_PARAMETERS = 50_000_000
+
+
+@dataclass
+class TrainState:
+    """Where a run stands: enough to continue it exactly where it stopped."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    """Optimizer steps already taken in ``epoch``."""
+    global_step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One record per finished epoch."""
+    step_times_s: list[float] = field(default_factory=list)
+    """Wall time of every optimizer step, this rank's."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "history": self.history,
+            "step_times_s": self.step_times_s,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.history, self.step_times_s = list(state["history"]), list(state["step_times_s"])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 class Precision:
     """Autocast and, for fp16, a gradient scaler; fp32 makes both no-ops."""
 
-    def __init__(self, precision: str, device: torch.device, sharded: bool):
-        self.dtype = DTYPES.get(precision)
+    def __init__(self, precision: str, device: torch.device, strategy: Strategy):
+        self.dtype = LOW_PRECISION.get(precision)
         self.device_type = device.type
-        use_scaler = precision == "fp16"
-        if sharded:
-            # Each rank sees only its gradient shard, so inf/nan checks must agree across ranks.
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device.type, enabled=use_scaler)
-        else:
-            self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        self.scaler = strategy.grad_scaler(enabled=precision == "fp16", device=device)
 
     def autocast(self):
         if self.dtype is None:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
 
-def make_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.optimizer](params, lr=cfg.lr)
-
-
-def make_strategy_from(cfg: TrainConfig) -> Strategy:
-    return make_strategy(
-        cfg.strategy,
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-        reshard_after_forward=cfg.fsdp_reshard_after_forward,
-        fsdp_param_dtype=DTYPES.get(cfg.fsdp_param_dtype),
-    )
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
 
-def loss_and_hits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def optimizer_factory(cfg: TrainConfig):
+    """Parameters -> the optimizer ``--optimizer`` names, with ``--lr``."""
+    lr = cfg.training.lr
+    if cfg.training.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return lambda params: {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[cfg.training.optimizer](params, lr=lr)
+
+
+def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-target cross-entropy and correctness, for class labels (B,) and token targets (B, T) alike."""
     losses = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
     return losses.view(targets.shape), logits.argmax(-1) == targets
 
 
+class MetricSums:
+    """Loss, correct predictions and targets, summed on this rank; :meth:`all_reduce` sums over ranks."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+
+    def add(self, losses: torch.Tensor, correct: torch.Tensor) -> None:
+        self.sums += torch.stack(
+            [
+                losses.detach().sum().double(),
+                correct.sum().double(),
+                torch.tensor(float(correct.numel()), device=self.sums.device),
+            ]
+        )
+
+    def all_reduce(self) -> MetricSums:
+        dist.all_reduce(self.sums)
+        return self
+
+    @property
+    def loss(self) -> float:
+        return self.sums[0].item() / max(self.sums[2].item(), 1)
+
+    @property
+    def accuracy(self) -> float:
+        return self.sums[1].item() / max(self.sums[2].item(), 1)
+
+    @property
+    def count(self) -> int:
+        return int(self.sums[2].item())
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, runtime: Runtime, batch_size: int = 512, precision: Precision | None = None) -> dict[str, float]:
+def evaluate(
+    model: nn.Module, dataset, runtime: Runtime, batch_size: int = 512, precision: Precision | None = None
+) -> dict[str, float]:
     """Loss and accuracy over the whole dataset, every rank on its own shard."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
+    sums = MetricSums(runtime.device)
     for inputs, targets, real in eval_loader(dataset, batch_size, runtime):
         with precision.autocast() if precision else nullcontext():
             logits = model(inputs)
-        losses, hits = loss_and_hits(logits, targets)
+        losses, correct = loss_and_correct(logits, targets)
         mask = real.view(-1, *[1] * (targets.dim() - 1)).expand_as(targets)
-        totals += torch.stack([losses[mask].sum().double(), hits[mask].sum().double(), mask.sum().double()])
-    dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
+        sums.add(losses[mask], correct[mask])
+    sums.all_reduce()
+    return {"loss": sums.loss, "accuracy": sums.accuracy, "samples": sums.count}
+
+
+@dataclass
+class Run:
+    """Everything a run is built from, made once by :func:`build_run`."""
+
+    cfg: TrainConfig
+    runtime: Runtime
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    loader: SampledLoader | DeviceResidentLoader
+    test_set: Any
+    parameters: int
+    steps_per_epoch: int
+    global_batch: int
+
+
+def build_model_for(cfg: TrainConfig, runtime: Runtime, strategy: Strategy, spec) -> tuple[nn.Module, int]:
+    """The wrapped model and its parameter count. Every rank starts from the
+    same weights (seeded, without touching the global RNG); a sharding strategy
+    with a large model builds it on ``meta`` and materialises only its shards."""
+    image_size = spec.shape[-1] if spec.kind == "image" else 0
+    meta = build_model(cfg.model.name, spec.shape[0], spec.num_classes, image_size, device="meta")
+    parameters = count_parameters(meta)
+    if strategy.shards_parameters and parameters >= META_INIT_FROM_PARAMETERS:
+        return materialize(strategy.wrap(meta, runtime), runtime.device, cfg.training.seed), parameters
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg.model.name, spec.shape[0], spec.num_classes, image_size)
+    return strategy.wrap(model.to(runtime.device), runtime), parameters
+
+
+def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
+    cfg.validate()
+    strategy = make_strategy(cfg.parallel)
+    strategy.check_world_size(runtime.world_size)
+    data, training = cfg.data, cfg.training
+    kind = model_input_kind(cfg.model.name)
+    vocab = GPT_PRESETS[cfg.model.name].vocab_size if kind == "tokens" else 0
+    train_set, test_set, spec = load_datasets(
+        data.dataset,
+        data.data_dir,
+        runtime,
+        data.synthetic_size,
+        kind,
+        vocab,
+        cfg.model.seq_len,
+        training.seed,
+        data.download,
+    )
+    model, parameters = build_model_for(cfg, runtime, strategy, spec)
+    optimizer = strategy.make_optimizer(model, optimizer_factory(cfg))
+    precision = Precision(cfg.precision.dtype, runtime.device, strategy)
+    if data.loader == "device":
+        loader = DeviceResidentLoader(train_set, training.batch_size, runtime, seed=training.seed)
+    else:
+        loader = SampledLoader(
+            train_set,
+            training.batch_size,
+            runtime,
+            seed=training.seed,
+            num_workers=data.num_workers,
+            pin_memory=data.pin_memory,
+            non_blocking=data.non_blocking,
+        )
+    steps = len(loader) // training.accum_steps
+    if training.max_steps > 0:
+        steps = min(steps, training.max_steps)
+    if steps == 0:
+        raise DistlabError(
+            f"each rank has only {len(loader)} batch(es) of {training.batch_size}, fewer than --accum-steps "
+            f"{training.accum_steps}: use a smaller --batch-size or a bigger dataset"
+        )
+    global_batch = training.batch_size * runtime.world_size * training.accum_steps
+    return Run(cfg, runtime, strategy, model, optimizer, precision, loader, test_set, parameters, steps, global_batch)
+
+
+def train_step(run: Run, batches: Iterator, sums: MetricSums) -> torch.Tensor:
+    """One optimizer step over ``accum_steps`` micro-batches; all but the last
+    keep their gradients local. Returns the step's mean loss on this rank."""
+    accum = run.cfg.training.accum_steps
+    step_loss = torch.zeros((), dtype=torch.float64, device=run.runtime.device)
+    for micro in range(accum):
+        inputs, targets = next(batches)
+        with nullcontext() if micro == accum - 1 else run.strategy.no_sync(run.model):
+            with run.precision.autocast():
+                logits = run.model(inputs)
+            losses, correct = loss_and_correct(logits, targets)
+            run.precision.backward(losses.mean() / accum)
+        sums.add(losses, correct)
+        step_loss += losses.detach().mean().double() / accum
+    run.precision.step(run.optimizer)
+    run.optimizer.zero_grad(set_to_none=True)
+    return step_loss
+
+
+class EpochBatches:
+    """One epoch of the loader's batches: skips those a resumed run already
+    trained on, times the waits, and shows the first to ``on_first``."""
+
+    def __init__(self, loader, skip: int = 0, on_first=None):
+        self.batches, self.wait_s = iter(loader), 0.0
+        for _ in range(skip):  # the same order as before the interruption: skip what was seen
+            next(self.batches)
+        self.on_first = on_first if skip == 0 else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        asked = time.perf_counter()
+        batch = next(self.batches)
+        self.wait_s += time.perf_counter() - asked
+        if self.on_first is not None:
+            self.on_first(batch[0])
+            self.on_first = None
+        return batch
+
+
+def train_epoch(run: Run, state: TrainState, data_check: DataOrderCheck) -> dict[str, Any]:
+    """The rest of epoch ``state.epoch``, then its record (reduced over ranks once)."""
+    cfg, runtime, steps = run.cfg, run.runtime, run.steps_per_epoch
+    log_every = cfg.output.log_every if cfg.output.log_every != 0 else max(1, steps // 10)
+    run.loader.set_epoch(state.epoch)
+    run.model.train()
+    sums = MetricSums(runtime.device)
+    step_losses = torch.zeros(steps, dtype=torch.float64, device=runtime.device)
+    first = state.step_in_epoch
+
+    def check_order(inputs: torch.Tensor) -> None:
+        for problem in data_check.check_first_batch(state.epoch, inputs):
+            runtime.log(f"distlab: warning: {problem}")
+
+    batches = EpochBatches(run.loader, skip=first * cfg.training.accum_steps, on_first=check_order)
+    start = time.perf_counter()
+    for step in range(first, steps):
+        started = time.perf_counter()
+        step_losses[step] = train_step(run, batches, sums)
+        synchronize(runtime.device)
+        state.step_times_s.append(time.perf_counter() - started)
+        state.step_in_epoch, state.global_step = step + 1, state.global_step + 1
+        if log_every > 0 and ((step + 1) % log_every == 0 or step + 1 == steps):
+            elapsed = time.perf_counter() - start
+            runtime.log(
+                f"  epoch {state.epoch + 1}/{cfg.training.epochs} step {step + 1}/{steps} | loss "
+                f"{sums.loss:.4f} | {(step + 1 - first) * run.global_batch / elapsed:,.0f} samples/s"
+            )
+    epoch_time = time.perf_counter() - start
+    sums.all_reduce()
+    dist.all_reduce(step_losses)  # one collective an epoch, not one a step
+    test = evaluate(run.model, run.test_set, runtime, cfg.data.eval_batch_size, run.precision)
+    return {
+        "epoch": state.epoch + 1,
+        "train_loss": sums.loss,
+        "train_accuracy": sums.accuracy,
+        "test_loss": test["loss"],
+        "test_accuracy": test["accuracy"],
+        "epoch_time_s": epoch_time,
+        "data_wait_s": batches.wait_s,  # rank 0's time blocked in next(loader)
+        "samples_per_s": (steps - first) * run.global_batch / epoch_time,
+        "steps": steps,
+        "step_loss": (step_losses / runtime.world_size).tolist(),
+    }
 
 
 @dataclass
 class TrainResult:
-    """What :func:`train` hands back: the wrapped model and what it measured."""
+    """What :func:`train` hands back: the wrapped model, where the run ended, its size."""
 
     model: nn.Module
-    history: list[dict[str, Any]] = field(default_factory=list)
-    parameters: int = 0
-    steps: int = 0
+    state: TrainState
+    parameters: int
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.state.history
 
 
-def train(cfg: TrainConfig, runtime: Runtime) -> TrainResult:
-    strategy = make_strategy_from(cfg)
-    strategy.check_world_size(runtime.world_size)
-    if cfg.accum_steps < 1 or cfg.batch_size < 1:
-        raise DistlabError("--batch-size and --accum-steps must be at least 1")
-
-    kind = model_input_kind(cfg.model)
-    vocab = GPT_PRESETS[cfg.model].vocab_size if kind == "tokens" else 0
-    train_set, test_set, spec = load_datasets(cfg.dataset, cfg.data_dir, runtime, cfg.synthetic_size, kind, vocab, cfg.seq_len, cfg.seed, cfg.download)
-
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank: FSDP shards whatever each rank built
-    image_size = spec.shape[-1] if spec.kind == "image" else 0
-    model = build_model(cfg.model, spec.shape[0], spec.num_classes, image_size).to(runtime.device)
-    n_params = count_parameters(model)
-    model = strategy.wrap(model, runtime)
-    optimizer = make_optimizer(cfg, model.parameters())
-    precision = Precision(cfg.precision, runtime.device, sharded=cfg.strategy == "fsdp")
-
-    if cfg.loader == "device":
-        loader = DeviceResidentLoader(train_set, cfg.batch_size, runtime, seed=cfg.seed)
-    else:
-        loader = SampledLoader(train_set, cfg.batch_size, runtime, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=cfg.pin_memory, non_blocking=cfg.non_blocking)
-    steps = len(loader) // cfg.accum_steps
-    if cfg.max_steps > 0:
-        steps = min(steps, cfg.max_steps)
-    if steps == 0:
-        raise DistlabError(f"each rank has only {len(loader)} batch(es) of {cfg.batch_size}, fewer than --accum-steps {cfg.accum_steps}: use a smaller --batch-size or a bigger dataset")
-    log_every = cfg.log_every if cfg.log_every != 0 else max(1, steps // 10)
-
-    global_batch = cfg.batch_size * runtime.world_size * cfg.accum_steps
-    runtime.log(f"distlab: {cfg.strategy} | {cfg.model} ({n_params:,} parameters) | {cfg.dataset} | {runtime.describe()} | global batch {global_batch} | {steps} steps/epoch")
-
-    result = TrainResult(model=model, parameters=n_params)
-    data_check = DataOrderCheck(loader)
-    for epoch in range(cfg.epochs):
-        loader.set_epoch(epoch)
-        model.train()
-        totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
-        step_losses = torch.zeros(steps, dtype=torch.float64, device=runtime.device)
-        batches = iter(loader)
-        data_wait = 0.0
-        start = time.perf_counter()
-        for step in range(steps):
-            for micro in range(cfg.accum_steps):
-                asked = time.perf_counter()
-                inputs, targets = next(batches)
-                data_wait += time.perf_counter() - asked
-                if step == 0 and micro == 0:
-                    for problem in data_check.first_batch(epoch, inputs):
-                        runtime.log(f"distlab: warning: {problem}")
-                is_last = micro == cfg.accum_steps - 1
-                with nullcontext() if is_last else strategy.no_sync(model):
-                    with precision.autocast():
-                        logits = model(inputs)
-                    losses, hits = loss_and_hits(logits, targets)
-                    precision.scaler.scale(losses.mean() / cfg.accum_steps).backward()
-                totals += torch.stack([losses.detach().sum().double(), hits.sum().double(), torch.tensor(targets.numel(), dtype=torch.float64, device=runtime.device)])
-                step_losses[step] += losses.detach().mean().double() / cfg.accum_steps
-            precision.scaler.step(optimizer)
-            precision.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            result.steps += 1
-            if log_every > 0 and ((step + 1) % log_every == 0 or step + 1 == steps):
-                elapsed = time.perf_counter() - start
-                runtime.log(f"  epoch {epoch + 1}/{cfg.epochs} step {step + 1}/{steps} | loss {totals[0].item() / totals[2].item():.4f} | {(step + 1) * global_batch / elapsed:,.0f} samples/s")
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        epoch_time = time.perf_counter() - start
-        dist.all_reduce(totals)
-        dist.all_reduce(step_losses)  # one collective an epoch, not one a step
-        test = evaluate(model, test_set, runtime, cfg.eval_batch_size, precision)
-        record = {
-            "epoch": epoch + 1,
-            "train_loss": totals[0].item() / totals[2].item(),
-            "train_accuracy": totals[1].item() / totals[2].item(),
-            "test_loss": test["loss"],
-            "test_accuracy": test["accuracy"],
-            "epoch_time_s": epoch_time,
-            "data_wait_s": data_wait,  # rank 0's time blocked in next(loader)
-            "samples_per_s": steps * global_batch / epoch_time,
-            "steps": steps,
-            "step_loss": (step_losses / runtime.world_size).tolist(),
-        }
-        result.history.append(record)
-        runtime.log(f"epoch {epoch + 1}/{cfg.epochs} | train loss {record['train_loss']:.4f} | test loss {test['loss']:.4f} acc {100 * test['accuracy']:.2f}% | {epoch_time:.1f}s, {record['samples_per_s']:,.0f} samples/s")
-    return result
+def train(cfg: TrainConfig, runtime: Runtime, state: TrainState | None = None) -> TrainResult:
+    """Train from ``state`` (a fresh run by default) to the last epoch."""
+    run = build_run(cfg, runtime)
+    state = state or TrainState()
+    runtime.log(
+        f"distlab: {cfg.parallel.strategy} | {cfg.model.name} ({run.parameters:,} parameters) | "
+        f"{cfg.data.dataset} | {runtime.describe()} | global batch {run.global_batch} | "
+        f"{run.steps_per_epoch} steps/epoch"
+    )
+    data_check = DataOrderCheck(run.loader)
+    while state.epoch < cfg.training.epochs:
+        record = train_epoch(run, state, data_check)
+        state.history.append(record)
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        runtime.log(
+            f"epoch {record['epoch']}/{cfg.training.epochs} | train loss {record['train_loss']:.4f} | "
+            f"test loss {record['test_loss']:.4f} acc {100 * record['test_accuracy']:.2f}% | "
+            f"{record['epoch_time_s']:.1f}s, {record['samples_per_s']:,.0f} samples/s"
+        )
+    return TrainResult(model=run.model, state=state, parameters=run.parameters)
 
 
-def default_run_name(cfg: TrainConfig, runtime: Runtime) -> str:
-    return cfg.run_name or f"{cfg.strategy}-{cfg.model}-{cfg.dataset}-{runtime.world_size}x{runtime.device.type}"
+def slowest_median_step_s(result: TrainResult, skip: int = 3) -> float | None:
+    """Median wall time of the optimizer steps after the first ``skip``, the slowest rank's."""
+    times = result.state.step_times_s[skip:]
+    median = torch.tensor([statistics.median(times) if times else float("nan")], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return None if median.isnan().item() else median.item()
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(argv)
-    with distributed(cfg.device, cfg.backend, cfg.timeout_s) as runtime:
+    cfg = parse(TrainConfig, argv, "distlab.train")
+    with distributed(cfg.parallel.device, cfg.parallel.backend, cfg.parallel.timeout_s) as runtime:
         started = time.perf_counter()
         result = train(cfg, runtime)
         total_time = time.perf_counter() - started
-        state = full_state_dict(result.model) if cfg.save_model else None  # a collective under FSDP: every rank joins
-        if runtime.is_main:
-            path = Path(cfg.out) / f"{default_run_name(cfg, runtime)}.json"
-            metrics = {"epochs": result.history, "total_time_s": total_time, "parameters": result.parameters, "optimizer_steps": result.steps}
-            write_result(path, "train", cfg.to_dict(), metrics, runtime.device, world_size=runtime.world_size, backend=runtime.backend)
-            if state is not None:
-                torch.save(state, path.with_suffix(".pt"))
-            runtime.log(f"wrote {path}")
+        metrics = {
+            "epochs": result.history,
+            "total_time_s": total_time,
+            "parameters": result.parameters,
+            "optimizer_steps": result.state.global_step,
+            "step_time_median_s": slowest_median_step_s(result),
+        }
+        name = cfg.run_name(runtime.world_size, runtime.device.type)
+        state = (
+            full_state_dict(result.model, rank0_only=True) if cfg.checkpoint.save_model else None
+        )  # a collective: every rank joins
+        path = finish_run(runtime, cfg.output.out, name, "train", cfg.to_dict(), metrics)
+        if path is not None and state is not None:
+            torch.save(state, path.with_suffix(".pt"))
 
 
 if __name__ == "__main__":

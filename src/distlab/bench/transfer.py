@@ -2,7 +2,7 @@
 ``non_blocking`` and what it really does, copy/compute overlap, and the
 DataLoader end to end.
 
-    torchrun --standalone --nproc_per_node=2 -m distlab.transfer --sizes 4KB:1GB --out results
+    torchrun --standalone --nproc_per_node=2 -m distlab.bench.transfer --sizes 4KB:1GB --out results
 
 Every rank measures its own GPU; rank 0 writes one result file holding
 every rank's measurements. Everything here needs CUDA: on a machine without
@@ -16,16 +16,14 @@ the median and quartiles of the repetitions.
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from .bench import parse_sizes, summarize_times
-from .results import write_result
-from .runtime import DistlabError, distributed, run_main
+from ..cli import ResultConfig, finish_run, option, parse
+from ..runtime import DistlabError, distributed, gather_per_rank, run_main
+from .harness import parse_sizes, summarize_times
 
 MODES = ("pageable", "pageable+non_blocking", "pinned", "pinned+non_blocking")
 
@@ -33,22 +31,34 @@ MODES = ("pageable", "pageable+non_blocking", "pinned", "pinned+non_blocking")
 def require_cuda(what: str) -> torch.device:
     """The current CUDA device, or one sentence saying this needs a GPU."""
     if not torch.cuda.is_available():
-        raise DistlabError(f"{what} needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False): run it on a GPU machine such as a Kaggle 'GPU T4 x2' kernel")
+        raise DistlabError(
+            f"{what} needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False): run it "
+            "on a GPU machine such as a Kaggle 'GPU T4 x2' kernel"
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 
 def bandwidth_row(size: int, direction: str, mode: str, copy_times: list[float], host_times: list[float]) -> dict:
     """One result row: medians, quartiles, and GB/s from the median copy time."""
     copy, host = summarize_times(copy_times), summarize_times(host_times)
-    return {"bytes": size, "direction": direction, "mode": mode, **copy, "host_blocked_s": host["time_s"],
-            "GBps": size / copy["time_s"] / 1e9, "repeats": len(copy_times)}
+    return {
+        "bytes": size,
+        "direction": direction,
+        "mode": mode,
+        **copy,
+        "host_blocked_s": host["time_s"],
+        "GBps": size / copy["time_s"] / 1e9,
+        "repeats": len(copy_times),
+    }
 
 
 def _host_buffer(size: int, pinned: bool) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=pinned).fill_(1)
 
 
-def copy_bandwidth(sizes: list[int], warmup: int = 2, repeats: int = 10, directions=("h2d", "d2h"), modes=MODES) -> list[dict]:
+def copy_bandwidth(
+    sizes: list[int], warmup: int = 2, repeats: int = 10, directions=("h2d", "d2h"), modes=MODES
+) -> list[dict]:
     """Copy bandwidth for every size, direction and mode, on the current GPU."""
     device = require_cuda("the copy-bandwidth benchmark")
     rows = []
@@ -96,11 +106,19 @@ def pinning_cost(sizes: list[int], repeats: int = 3) -> list[dict]:
             copied = source.clone()
             clone.append(time.perf_counter() - started)
             del copied
-        rows.append({"bytes": size, "pin_memory_s": summarize_times(pin)["time_s"], "pageable_clone_s": summarize_times(clone)["time_s"]})
+        rows.append(
+            {
+                "bytes": size,
+                "pin_memory_s": summarize_times(pin)["time_s"],
+                "pageable_clone_s": summarize_times(clone)["time_s"],
+            }
+        )
     return rows
 
 
-def pinned_loader_cost(batches: int = 30, batch_size: int = 128, image_shape=(3, 224, 224), num_workers: int = 2) -> dict:
+def pinned_loader_cost(
+    batches: int = 30, batch_size: int = 128, image_shape=(3, 224, 224), num_workers: int = 2
+) -> dict:
     """Seconds per batch to iterate a DataLoader with ``pin_memory`` off and on,
     copying nothing to the GPU: what the pinning thread itself costs (or hides)."""
     require_cuda("measuring a pinned DataLoader")
@@ -132,8 +150,14 @@ def non_blocking_read_hazard(numel: int = 1 << 26) -> dict:
     read_early = landing.sum().item()  # the bug: no synchronize between copy and read
     torch.cuda.synchronize(device)
     read_after = landing.sum().item()
-    return {"numel": numel, "expected_sum": float(numel), "sum_read_before_synchronize": read_early, "sum_read_after_synchronize": read_after,
-            "early_read_was_wrong": read_early != float(numel), "late_read_was_right": read_after == float(numel)}
+    return {
+        "numel": numel,
+        "expected_sum": float(numel),
+        "sum_read_before_synchronize": read_early,
+        "sum_read_after_synchronize": read_after,
+        "early_read_was_wrong": read_early != float(numel),
+        "late_read_was_right": read_after == float(numel),
+    }
 
 
 def _event_ms(fn, device) -> float:
@@ -148,7 +172,9 @@ def _event_ms(fn, device) -> float:
     return start.elapsed_time(end)
 
 
-def overlap_experiment(batches: int = 8, batch_bytes: int = 64 << 20, matmul_size: int = 2048, matmuls: int = 0) -> dict:
+def overlap_experiment(
+    batches: int = 8, batch_bytes: int = 64 << 20, matmul_size: int = 2048, matmuls: int = 0
+) -> dict:
     """Copy-then-compute against copying batch k+1 on a side stream while
     batch k computes. Returns both total times and each op's interval
     (from CUDA events) for the timeline plot.
@@ -198,23 +224,36 @@ def overlap_experiment(batches: int = 8, batch_bytes: int = 64 << 20, matmul_siz
             computed[k].record(compute_stream)
             events.append(("compute", k, start, end))
         torch.cuda.synchronize(device)
-        intervals = [{"lane": lane, "batch": k, "start_ms": origin.elapsed_time(s), "dur_ms": s.elapsed_time(e)} for lane, k, s, e in events]
+        intervals = [
+            {"lane": lane, "batch": k, "start_ms": origin.elapsed_time(s), "dur_ms": s.elapsed_time(e)}
+            for lane, k, s, e in events
+        ]
         return max(i["start_ms"] + i["dur_ms"] for i in intervals) / 1e3, intervals
 
     run(overlapped=True)  # warm-up: cuBLAS handles, allocator
     serial_s, serial = run(overlapped=False)
     overlapped_s, overlapped = run(overlapped=True)
-    return {"batches": batches, "batch_bytes": batch_bytes, "matmuls_per_batch": matmuls, "matmul_size": matmul_size, "serial_s": serial_s, "overlapped_s": overlapped_s,
-            "speedup": serial_s / overlapped_s, "timeline": {"serial": serial, "overlapped": overlapped}}
+    return {
+        "batches": batches,
+        "batch_bytes": batch_bytes,
+        "matmuls_per_batch": matmuls,
+        "matmul_size": matmul_size,
+        "serial_s": serial_s,
+        "overlapped_s": overlapped_s,
+        "speedup": serial_s / overlapped_s,
+        "timeline": {"serial": serial, "overlapped": overlapped},
+    }
 
 
-def loader_end_to_end(runtime, epochs: int = 1, batch_size: int = 128, max_steps: int = 0, synthetic_size: int = 60000) -> list[dict]:
+def loader_end_to_end(
+    runtime, epochs: int = 1, batch_size: int = 128, max_steps: int = 0, synthetic_size: int = 60000
+) -> list[dict]:
     """Train the course CNN with each input pipeline, one after another on
     the same GPU(s): pin_memory and non_blocking on and off, and the
     device-resident loader. Returns samples/s per variant."""
     require_cuda("the DataLoader end-to-end comparison")
-    from .config import TrainConfig
-    from .train import train
+    from ..config import TrainConfig
+    from ..train import train
 
     variants = {
         "pin_memory off, non_blocking off": dict(pin_memory=False, non_blocking=False),
@@ -225,43 +264,73 @@ def loader_end_to_end(runtime, epochs: int = 1, batch_size: int = 128, max_steps
     }
     rows = []
     for name, options in variants.items():
-        cfg = TrainConfig(strategy="ddp", model="cnn", dataset="synthetic", device="cuda", epochs=epochs, batch_size=batch_size, max_steps=max_steps,
-                          synthetic_size=synthetic_size, num_workers=2, log_every=-1, **options)
+        cfg = TrainConfig.from_flags(
+            strategy="ddp",
+            model="cnn",
+            dataset="synthetic",
+            device="cuda",
+            epochs=epochs,
+            batch_size=batch_size,
+            max_steps=max_steps,
+            synthetic_size=synthetic_size,
+            num_workers=2,
+            log_every=-1,
+            **options,
+        )
         history = train(cfg, runtime).history
-        rows.append({"variant": name, "samples_per_s": history[-1]["samples_per_s"], "epoch_time_s": history[-1]["epoch_time_s"],
-                     "data_wait_s": history[-1]["data_wait_s"], "config": cfg.to_dict()})
+        rows.append(
+            {
+                "variant": name,
+                "samples_per_s": history[-1]["samples_per_s"],
+                "epoch_time_s": history[-1]["epoch_time_s"],
+                "data_wait_s": history[-1]["data_wait_s"],
+                "config": cfg.to_dict(),
+            }
+        )
         runtime.log(f"  {name:<34} {rows[-1]['samples_per_s']:>10,.0f} samples/s")
     return rows
 
 
+@dataclass
+class TransferBenchConfig(ResultConfig):
+    """Measure host-device copies on every rank's GPU and write one result JSON."""
+
+    sizes: str = option("4KB:1GB", "comma list or a range in powers of 4 (4KB:1GB)")
+    repeats: int = option(10, "timed copies per size and mode")
+    loader_epochs: int = option(1, "epochs per input-pipeline variant (0 skips the DataLoader comparison)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="torchrun --standalone --nproc_per_node=N -m distlab.transfer", description="Measure host-device copies on every rank's GPU and write one result JSON.")
-    parser.add_argument("--sizes", default="4KB:1GB", help="comma list or a range in powers of 4 (4KB:1GB)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed copies per size and mode")
-    parser.add_argument("--loader-epochs", type=int, default=1, help="epochs per input-pipeline variant (0 skips the DataLoader comparison)")
-    parser.add_argument("--out", default="results", help="directory for the result JSON")
-    parser.add_argument("--name", default="", help="file name without .json (default: transfer-<ranks>x<gpu>)")
-    args = parser.parse_args(argv)
-    sizes = parse_sizes(args.sizes)
-    require_cuda("distlab.transfer")
+    cfg = parse(TransferBenchConfig, argv)
+    sizes = parse_sizes(cfg.sizes)
+    require_cuda("distlab.bench.transfer")
     with distributed("cuda") as runtime:
-        runtime.log(f"distlab.transfer: {len(sizes)} sizes on {runtime.describe()}, {torch.cuda.get_device_name(runtime.device)}")
+        runtime.log(
+            f"distlab.bench.transfer: {len(sizes)} sizes on {runtime.describe()}, "
+            f"{torch.cuda.get_device_name(runtime.device)}"
+        )
         mine = {"rank": runtime.rank, "gpu": torch.cuda.get_device_name(runtime.device)}
-        mine["bandwidth"] = copy_bandwidth(sizes, repeats=args.repeats)
+        mine["bandwidth"] = copy_bandwidth(sizes, repeats=cfg.repeats)
         runtime.log("  bandwidth done")
         mine["pinning_cost"] = pinning_cost([s for s in sizes if s >= 1 << 20])
         mine["pinned_loader"] = pinned_loader_cost()
         mine["non_blocking_hazard"] = non_blocking_read_hazard()
         mine["overlap"] = overlap_experiment()
-        runtime.log(f"  overlap: serial {mine['overlap']['serial_s'] * 1e3:.1f} ms, overlapped {mine['overlap']['overlapped_s'] * 1e3:.1f} ms")
-        loader = loader_end_to_end(runtime, epochs=args.loader_epochs) if args.loader_epochs > 0 else []
-        ranks: list = [None] * runtime.world_size
-        dist.all_gather_object(ranks, mine)
-        if runtime.is_main:
-            gpu = ranks[0]["gpu"].replace(" ", "-")
-            path = Path(args.out) / f"{args.name or f'transfer-{runtime.world_size}x{gpu}'}.json"
-            write_result(path, "transfer", {**vars(args), "sizes": sizes}, {"ranks": ranks, "loader": loader}, runtime.device, world_size=runtime.world_size, backend=runtime.backend)
-            runtime.log(f"wrote {path}")
+        runtime.log(
+            f"  overlap: serial {mine['overlap']['serial_s'] * 1e3:.1f} ms, overlapped "
+            f"{mine['overlap']['overlapped_s'] * 1e3:.1f} ms"
+        )
+        loader = loader_end_to_end(runtime, epochs=cfg.loader_epochs) if cfg.loader_epochs > 0 else []
+        ranks = gather_per_rank(mine, runtime)
+        name = cfg.output.name or f"transfer-{runtime.world_size}x{mine['gpu'].replace(' ', '-')}"
+        finish_run(
+            runtime,
+            cfg.output.out,
+            name,
+            "transfer",
+            {**asdict(cfg), "sizes": sizes},
+            {"ranks": ranks, "loader": loader},
+        )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ these wrappers only decide *when* and *on what* to call it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .runtime import DistlabError
+from ..runtime import DistlabError
 
 AllReduce = Callable[[torch.Tensor], object]
 
@@ -52,7 +52,9 @@ class DataParallelWrapper(nn.Module):
     def __init__(self, module: nn.Module, group=None):
         super().__init__()
         if not dist.is_initialized():
-            raise DistlabError("mini_ddp needs a process group: start it with distlab.runtime.distributed() or torchrun")
+            raise DistlabError(
+                "mini_ddp needs a process group: start it with distlab.runtime.distributed() or torchrun"
+            )
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -127,7 +129,7 @@ class _Bucket:
 
     def copy_in(self, p: torch.Tensor) -> None:
         start = self.offsets[p]
-        self.flat[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        self.flat[start : start + p.numel()].copy_(p.grad.reshape(-1))
         self.ready.add(id(p))
 
     @property
@@ -137,7 +139,7 @@ class _Bucket:
     def copy_out(self) -> None:
         for p in self.params:
             start = self.offsets[p]
-            p.grad.copy_(self.flat[start:start + p.numel()].view_as(p.grad))
+            p.grad.copy_(self.flat[start : start + p.numel()].view_as(p.grad))
 
     def reset(self) -> None:
         self.ready.clear()
@@ -198,5 +200,7 @@ class BucketedDDP(DataParallelWrapper):
 
 def _unused_parameter_message(module: nn.Module, param: torch.Tensor) -> str:
     name = next((n for n, p in module.named_parameters() if p is param), "?")
-    return (f"parameter {name!r} got no gradient in this backward, so its bucket was never reduced: "
-            "every trainable parameter must take part in the loss (freeze unused ones with requires_grad_(False))")
+    return (
+        f"parameter {name!r} got no gradient in this backward, so its bucket was never reduced: "
+        "every trainable parameter must take part in the loss (freeze unused ones with requires_grad_(False))"
+    )

@@ -1,0 +1,189 @@
+"""Forward+backward step time of the course's DDP wrappers and torch DDP,
+side by side, plus a profiler timeline of one bucketed step.
+
+    torchrun --standalone --nproc_per_node=2 -m distlab.bench.ddp_step --model cnn --batch-size 64 --out results
+
+Every variant wraps a copy of the same model, through the same strategy
+classes the training loop uses, and runs the same batch. ``local`` runs the
+bare model with no communication at all: the compute floor, so
+``step - local`` is the communication a variant failed to hide behind
+backward. torch DDP runs with ``broadcast_buffers=False`` (no buffer sync in
+forward), so it does exactly the work the course's wrappers do.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ..cli import BenchConfig, finish_run, option, parse
+from ..data import IMAGE_SHAPES, SyntheticImages, SyntheticTokens
+from ..models import GPT_PRESETS, build_model, count_parameters, model_input_kind
+from ..parallel.base import Strategy
+from ..parallel.mini_ddp import BucketedDDP
+from ..parallel.replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
+from ..runtime import Runtime, distributed, run_main, synchronize
+from .harness import round_robin, summarize_times
+
+# The images each model is benchmarked on: MNIST's for the CNN, CIFAR-10's otherwise.
+BENCH_IMAGES = {"cnn": "mnist", "resnet18": "cifar10"}
+
+
+def sample_batch(model_name: str, batch_size: int, rank: int, seq_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """One synthetic batch shaped for ``model_name``, different on every rank."""
+    if model_input_kind(model_name) == "tokens":
+        batch = SyntheticTokens(GPT_PRESETS[model_name].vocab_size, seq_len, batch_size, seed=1234 + rank)
+    else:
+        batch = SyntheticImages(IMAGE_SHAPES[BENCH_IMAGES[model_name]], batch_size, seed=1234 + rank)
+    return batch.data, batch.targets
+
+
+def make_model(model_name: str) -> nn.Module:
+    """The benchmarked model, the same weights on every rank (the global RNG untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if model_input_kind(model_name) == "tokens":
+            return build_model(model_name)
+        channels, _, side = IMAGE_SHAPES[BENCH_IMAGES[model_name]]
+        return build_model(model_name, channels, 10, side)
+
+
+def variants(bucket_caps_mb: list[float], torch_ddp_cap_mb: float) -> dict[str, Strategy]:
+    """Name -> the strategy that wraps the model for that variant."""
+    found: dict[str, Strategy] = {"local (no sync)": Single(), "NaiveDDP": NaiveDDPStrategy()}
+    for cap in bucket_caps_mb:
+        found[f"BucketedDDP {cap:g} MB"] = BucketedDDPStrategy(cap)
+    found[f"torch DDP {torch_ddp_cap_mb:g} MB"] = TorchDDP(torch_ddp_cap_mb, broadcast_buffers=False)
+    return found
+
+
+def forward_backward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    logits = model(inputs)
+    F.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
+
+
+@contextmanager
+def _native_stderr_silenced():
+    """Kineto prints start/stop banners from C++ straight to fd 2; they say
+    nothing a reader needs. Python-level errors are unaffected (they are
+    raised, and reported after the fd is restored)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[dict]:
+    """One profiled forward+backward: intervals (ms from the step's start) on
+    a ``compute`` lane and a ``communication`` lane.
+
+    On CPU the compute lane is the forward and each backward op of the main
+    thread, and the communication lane is gloo's all-reduce on its own
+    threads. On CUDA both lanes are GPU kernels: NCCL's and everyone else's.
+    """
+    forward_backward(model, inputs, targets)  # warm
+    model.zero_grad(set_to_none=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runtime.device.type == "cuda" else [])
+    dist.barrier()
+    with _native_stderr_silenced(), profile(activities=activities) as prof:
+        with record_function("forward"):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+        loss.backward()
+        synchronize(runtime.device)
+    intervals = []
+    for event in prof.events():
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        name = event.name
+        if runtime.device.type == "cuda":
+            if not on_gpu:
+                continue
+            lane = "communication" if "nccl" in name.lower() else "compute"
+        elif name.startswith("gloo:all_reduce"):
+            lane = "communication"
+        elif name == "forward" or name.startswith("autograd::engine::evaluate_function:"):
+            lane, name = "compute", name.replace("autograd::engine::evaluate_function: ", "")
+        else:
+            continue
+        intervals.append(
+            {"lane": lane, "name": name, "start_us": event.time_range.start, "dur_us": event.time_range.elapsed_us()}
+        )
+    origin = min(i["start_us"] for i in intervals)
+    return [
+        {"lane": i["lane"], "name": i["name"], "start_ms": (i["start_us"] - origin) / 1e3, "dur_ms": i["dur_us"] / 1e3}
+        for i in intervals
+    ]
+
+
+@dataclass
+class DDPStepBenchConfig(BenchConfig):
+    """Time forward+backward of NaiveDDP, BucketedDDP and torch DDP side by side; profile one bucketed step."""
+
+    model: str = option("cnn", "cnn, resnet18 or a GPT preset", choices=["cnn", "resnet18", *GPT_PRESETS])
+    batch_size: int = option(64, "samples per rank")
+    bucket_caps: str = option("0.25,1,5,25", "BucketedDDP bucket caps to sweep, in MB")
+    torch_ddp_cap: float = option(25.0, "torch DDP's bucket cap in MB (its default)")
+    profile_cap: float = option(1.0, "bucket cap of the profiled BucketedDDP step, in MB")
+    steps: int = option(30, "timed steps per variant")
+    warmup: int = option(5, "untimed steps per variant")
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse(DDPStepBenchConfig, argv)
+    caps = [float(c) for c in cfg.bucket_caps.split(",") if c]
+    with distributed(cfg.where.device, cfg.where.backend) as runtime:
+        base = make_model(cfg.model).to(runtime.device)
+        inputs, targets = (t.to(runtime.device) for t in sample_batch(cfg.model, cfg.batch_size, runtime.rank))
+        models = {
+            name: strategy.wrap(copy.deepcopy(base), runtime)
+            for name, strategy in variants(caps, cfg.torch_ddp_cap).items()
+        }
+        runtime.log(
+            f"distlab.bench.ddp_step: {cfg.model} ({count_parameters(base):,} parameters), batch "
+            f"{cfg.batch_size}/rank, {runtime.describe()}, {len(models)} variants x {cfg.steps} steps"
+        )
+        steps = {name: (lambda model=model: forward_backward(model, inputs, targets)) for name, model in models.items()}
+        times = round_robin(
+            steps, runtime, cfg.steps, cfg.warmup, prepare=lambda name: models[name].zero_grad(set_to_none=True)
+        )
+        rows = []
+        for name, series in times.items():
+            model = models[name]
+            rows.append(
+                {
+                    "variant": name,
+                    **summarize_times(series),
+                    "times_s": series,
+                    "buckets": len(model.buckets) if isinstance(model, BucketedDDP) else None,
+                }
+            )
+            runtime.log(f"  {name:<22} median {1e3 * rows[-1]['time_s']:8.2f} ms")
+        timeline = profile_step(
+            BucketedDDP(copy.deepcopy(base), bucket_cap_mb=cfg.profile_cap), inputs, targets, runtime
+        )
+        metrics = {
+            "variants": rows,
+            "parameters": count_parameters(base),
+            "timeline": timeline,
+            "timeline_bucket_cap_mb": cfg.profile_cap,
+        }
+        name = cfg.output.name or f"ddp-step-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
+        finish_run(runtime, cfg.output.out, name, "ddp_step_bench", {**asdict(cfg), "bucket_caps": caps}, metrics)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,83 @@
+"""Timing conventions every benchmark shares (those of nccl-tests).
+
+Warm up, then repeat. Variants take turns within each repetition
+(round-robin), so a machine that speeds up or slows down affects all of them
+alike. Ranks start each timed call together (a barrier), and a call's time
+is its slowest rank's: a collective ends when its last rank does. Report the
+median and the quartiles.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import DistlabError, Runtime, synchronize
+
+UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?B)\s*", text.upper())
+    if not match:
+        raise DistlabError(f"cannot read size {text!r}: write it like 4KB, 16MB or 1GB")
+    return int(match.group(1)) * UNITS[match.group(2)]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``4KB,1MB`` lists sizes; ``4KB:256MB`` means every power of 4 from one to the other."""
+    if ":" in text:
+        low, high = (parse_size(t) for t in text.split(":"))
+        sizes = []
+        while low <= high:
+            sizes.append(low)
+            low *= 4
+        return sizes
+    return [parse_size(t) for t in text.split(",")]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("GB", "MB", "KB"):
+        if n >= UNITS[unit]:
+            return f"{n / UNITS[unit]:g}{unit}"
+    return f"{n:g}B"
+
+
+def summarize_times(times: list[float]) -> dict[str, float]:
+    """Median and quartiles of a list of timings, in seconds."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return {"time_s": statistics.median(times), "time_q1_s": q1, "time_q3_s": q3}
+
+
+def round_robin(
+    steps: dict[str, Callable[[], object]],
+    runtime: Runtime,
+    repeats: int,
+    warmup: int = 0,
+    prepare: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of every step, taking turns, each repetition's time
+    the slowest rank's. ``prepare(name)`` runs untimed before each call."""
+    local: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(warmup + repeats):
+        for name, step in steps.items():
+            if prepare is not None:
+                prepare(name)
+            dist.barrier()
+            synchronize(runtime.device)
+            start = time.perf_counter()
+            step()
+            synchronize(runtime.device)
+            if rep >= warmup:
+                local[name].append(time.perf_counter() - start)
+    slowest = {}
+    for name, times in local.items():
+        tensor = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # after the timing, so it disturbs none of it
+        slowest[name] = tensor.tolist()
+    return slowest

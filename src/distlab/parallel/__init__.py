@@ -1,0 +1,31 @@
+"""Every way to wrap a model for data-parallel training, behind one contract
+(:class:`.base.Strategy`), the naive version beside the real one:
+
+* :mod:`.replicated`: one process, torch DDP, and the course's DDP from scratch (:mod:`.mini_ddp`);
+* :mod:`.fsdp2`: torch's FSDP2.
+
+``STRATEGIES`` maps each command-line name to its class.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..runtime import DistlabError
+from .base import Strategy
+from .fsdp2 import FSDP2
+from .replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
+
+if TYPE_CHECKING:
+    from ..config import ParallelConfig
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy)
+}
+
+
+def make_strategy(parallel: ParallelConfig) -> Strategy:
+    """The strategy a configuration's ``parallel`` section names, with its options."""
+    if parallel.strategy not in STRATEGIES:
+        raise DistlabError(f"unknown strategy {parallel.strategy!r}: use {', '.join(STRATEGIES)}")
+    return STRATEGIES[parallel.strategy].from_config(parallel)

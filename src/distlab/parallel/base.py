@@ -1,0 +1,69 @@
+"""The contract every way of wrapping a model keeps.
+
+A strategy turns a plain module into the one the training loop calls, says
+how to run a backward without synchronising gradients (accumulation
+micro-steps), and answers the loop's only questions about it: does a rank
+hold just a shard of the parameters (then a large model is built on the
+meta device and only the shards are materialised), which gradient scaler
+fits, and which optimizer steps the parameters (ZeRO's sharded optimizer
+replaces the plain one). The loop in :mod:`distlab.train` never asks which strategy it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, ClassVar, ContextManager
+
+import torch
+import torch.nn as nn
+
+from ..runtime import DistlabError, Runtime
+
+if TYPE_CHECKING:
+    from ..config import ParallelConfig
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class Strategy:
+    """Wrap a model; say how to run a backward without synchronising."""
+
+    name: ClassVar[str] = "base"
+    shards_parameters: ClassVar[bool] = False
+    """True when each rank holds only a shard of the parameters themselves."""
+    min_world_size: ClassVar[int] = 1
+    max_world_size: ClassVar[int | None] = None
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> Strategy:
+        """The strategy with the options the ``parallel`` section of a configuration asks for."""
+        return cls()
+
+    def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
+        raise NotImplementedError
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Gradients of backwards inside this context stay local to the rank."""
+        return nullcontext()
+
+    def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer that steps ``model``; by default the plain one over all its parameters."""
+        return factory(model.parameters())
+
+    def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
+        """fp16's loss scaler; a sharded strategy needs one whose inf checks agree across ranks."""
+        return torch.amp.GradScaler(device.type, enabled=enabled)
+
+    def check_world_size(self, world_size: int) -> None:
+        too_few, too_many = world_size < self.min_world_size, self.max_world_size and world_size > self.max_world_size
+        if too_few or too_many:
+            if self.max_world_size == self.min_world_size:
+                allowed = f"exactly {self.min_world_size}"
+            else:
+                allowed = f"at least {self.min_world_size}"
+            fit = self.max_world_size if too_many else self.min_world_size
+            raise DistlabError(
+                f"strategy {self.name} runs on {allowed} rank(s) but torchrun started {world_size}: "
+                f"use --nproc_per_node={fit}, or another --strategy"
+            )

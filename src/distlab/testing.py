@@ -1,0 +1,153 @@
+"""Helpers for tests and lab exercises: real gloo ranks on the CPU, the
+tolerances the equivalence checks use, torchrun as a subprocess, and a tiny
+MNIST written to disk in the format torchvision reads.
+
+Functions run on ranks must be importable (module-level), because
+``torch.multiprocessing.spawn`` pickles them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from .launch import launcher_environment, torchrun_command
+from .models import MnistCNN
+
+# float32 SGD over a few steps: only the order of additions differs between
+# ranks and the single process, which stays at rounding level.
+ATOL, RTOL = 1e-5, 1e-4
+CNN_PARAMETERS = 405_898
+"""Parameters of the reference notes' MNIST CNN (:class:`distlab.models.MnistCNN`)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)  # 2-core machines: several ranks must not fight over threads
+    from .runtime import distributed
+
+    with distributed("cpu", timeout_s=120) as runtime:
+        value = fn(runtime, *args)
+    torch.save(value, Path(out_dir) / f"rank{rank}.pt")
+    # The group is destroyed and the result saved. Skip interpreter shutdown:
+    # once in a few hundred runs a gloo thread still being destructed there
+    # aborts the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """Run ``fn(runtime, *args)`` on ``world_size`` real gloo ranks and return
+    each rank's return value, in rank order. Assert in the caller, not on the
+    ranks: a failure inside a rank surfaces only as an opaque spawn error."""
+    out_dir = Path(tmp_path) / f"ranks-{fn.__name__}-{world_size}-{free_port()}"
+    out_dir.mkdir(parents=True)
+    mp.spawn(_rank_entry, args=(world_size, free_port(), fn, args, str(out_dir)), nprocs=world_size, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_torchrun(nproc: int, target: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a torchrun job to completion, one thread per rank, capturing its output."""
+    return subprocess.run(
+        torchrun_command(nproc, target, *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=launcher_environment(1),
+    )
+
+
+def assert_same_state(actual: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL, label: str = "") -> None:
+    """Two state dicts hold the same keys and, within tolerance, the same tensors."""
+    assert actual.keys() == expected.keys(), f"{label}: keys differ: {sorted(set(actual) ^ set(expected))}"
+    for key in expected:
+        torch.testing.assert_close(
+            actual[key], expected[key], atol=atol, rtol=rtol, msg=lambda m, key=key: f"{label} {key}: {m}"
+        )
+
+
+def _write_idx(path: Path, array: torch.Tensor) -> None:
+    """IDX as MNIST ships it: magic (ubyte, ndim), big-endian dims, raw bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
+    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
+
+
+def write_tiny_mnist(root: Path, train_size: int = 96, test_size: int = 40, seed: int = 0) -> Path:
+    """MNIST-format files torchvision's real MNIST class reads (no download):
+    digits drawn as class-dependent bright bars so a model can learn them."""
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for prefix, n in (("train", train_size), ("t10k", test_size)):
+        labels = torch.arange(n) % 10
+        images = torch.randint(0, 60, (n, 28, 28), generator=gen)
+        for i, label in enumerate(labels.tolist()):
+            images[i, 2 + 2 * label : 4 + 2 * label, 4:24] = 255
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return Path(root)
+
+
+class ToyWithFrozen(nn.Module):
+    """Two linear layers whose first bias is frozen: a wrapper must neither
+    reduce nor step what does not train. No size divides by 2, 3 or 4."""
+
+    def __init__(self, in_features: int = 11, hidden: int = 7, classes: int = 5):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(in_features, hidden), nn.Linear(hidden, classes)
+        self.fc1.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.fc1, self.fc2]
+
+    def init_weights(self) -> None:
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
+
+class ToyTied(nn.Module):
+    """Input and output layers sharing one weight (as a GPT's embedding and
+    head do): its gradient is the sum of both uses, reduced once."""
+
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x)))))
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.mid]  # the tied pair stays in the root unit, so its weight is gathered once
+
+    def init_weights(self) -> None:
+        for layer in (self.inp, self.mid, self.out):
+            layer.reset_parameters()
+
+
+TOY_MODELS = {
+    "cnn": (lambda: MnistCNN(), (1, 28, 28), 10),
+    "frozen": (lambda: ToyWithFrozen(), (11,), 5),
+    "tied": (lambda: ToyTied(), (6,), 6),
+}
+"""Name -> (constructor, input shape, classes): the models every implementation must train alike."""
