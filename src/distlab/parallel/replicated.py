@@ -3,6 +3,7 @@ process alone, torch DDP, and the course's own DDP (:mod:`.mini_ddp`)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
 from torch.nn.parallel import DistributedDataParallel
@@ -46,8 +47,16 @@ class TorchDDP(Replicated):
     def wrap(self, model, runtime):
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         return DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, broadcast_buffers=self.broadcast_buffers
+            model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb, **self._buffer_sync()
         )
+
+    def _buffer_sync(self) -> dict[str, bool]:
+        """torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name warns);
+        Kaggle's torch 2.10-2.11 knows only the old one."""
+        if self.broadcast_buffers:
+            return {}  # the default either way
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        return {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
 
 
 class NaiveDDPStrategy(Replicated):
