@@ -76,7 +76,7 @@ def test_fsdp_equals_ddp(tmp_path, reshard_after_forward, accum_steps):
     assert fsdp[0]["history"][0]["test_accuracy"] == pytest.approx(ddp[0]["history"][0]["test_accuracy"], abs=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp"])
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "zero2"])
 def test_accumulation_with_no_sync_equals_the_large_batch(tmp_path, strategy):
     # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step,
     # through the one training loop, for torch DDP and the course's own.

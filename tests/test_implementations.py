@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from distlab.checkpoint import full_state_dict
 from distlab.collectives import ring_all_reduce
-from distlab.parallel import FSDP2, BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP
+from distlab.parallel import FSDP2, BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2
 from distlab.parallel.base import Strategy
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP
 from distlab.runtime import Runtime
@@ -32,16 +32,21 @@ STEPS, PER_RANK, LR = 4, 8, 0.05
 RANK0_SEED = 100
 
 
+def _plain_optimizer(model: nn.Module, factory) -> torch.optim.Optimizer:
+    return factory(model.parameters())
+
+
 @dataclass(frozen=True)
 class Implementation:
     wrap: Callable[[nn.Module, Runtime], nn.Module]
     no_sync: Callable[[nn.Module], ContextManager]
     broadcasts_initial_weights: bool
     """True when wrapping copies rank 0's weights to every rank (DDP's contract)."""
+    make_optimizer: Callable = _plain_optimizer
 
 
 def _row(strategy: Strategy, broadcasts: bool) -> Implementation:
-    return Implementation(strategy.wrap, strategy.no_sync, broadcasts)
+    return Implementation(strategy.wrap, strategy.no_sync, broadcasts, strategy.make_optimizer)
 
 
 IMPLEMENTATIONS = {
@@ -52,6 +57,8 @@ IMPLEMENTATIONS = {
     ),
     "bucketed_ddp_25mb": _row(BucketedDDPStrategy(25), True),
     "bucketed_ddp_small": _row(BucketedDDPStrategy(0.05), True),
+    "zero1": _row(Zero1(), True),
+    "zero2": _row(Zero2(), True),
     "fsdp2_full_shard": _row(FSDP2(reshard_after_forward=True), False),
     "fsdp2_shard_grad_op": _row(FSDP2(reshard_after_forward=False), False),
 }
@@ -70,10 +77,10 @@ def _build(model_name: str, seed: int) -> nn.Module:
         return TOY_MODELS[model_name][0]()
 
 
-def _sgd_steps(model: nn.Module, batches, accum: int, no_sync=None) -> None:
+def _sgd_steps(model: nn.Module, batches, accum: int, no_sync=None, make_optimizer=_plain_optimizer) -> None:
     """SGD over ``batches``, each split into ``accum`` micro-batches; all but
     the last run under ``no_sync`` when one is given."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer = make_optimizer(model, lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
     for inputs, targets in batches:
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
             sync = no_sync is None or micro == accum - 1
@@ -106,7 +113,7 @@ def train_every_row(runtime: Runtime):
                 model = impl.wrap(_build(model_name, seed), runtime)
                 if isinstance(model, BucketedDDP) and model_name == "cnn":
                     buckets[name] = model.bucket_sizes()
-                _sgd_steps(model, mine, accum, no_sync=impl.no_sync)
+                _sgd_steps(model, mine, accum, impl.no_sync, impl.make_optimizer)
                 states[(name, model_name, accum)] = full_state_dict(model)
     return {"states": states, "buckets": buckets}
 

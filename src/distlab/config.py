@@ -60,7 +60,7 @@ class ParallelConfig:
     strategy: str = option(
         "ddp",
         "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the "
-        "course's own naive_ddp / bucketed_ddp",
+        "course's own naive_ddp / bucketed_ddp (DDP) and zero1 / zero2 (optimizer state, then gradients, sharded)",
         choices=list(STRATEGIES),
     )
     device: Literal["auto", "cpu", "cuda"] = option(

@@ -2,6 +2,7 @@
 (:class:`.base.Strategy`), the naive version beside the real one:
 
 * :mod:`.replicated`: one process, torch DDP, and the course's DDP from scratch (:mod:`.mini_ddp`);
+* :mod:`.zero`: ZeRO-1 and ZeRO-2 from scratch (optimizer state, then gradients, sharded);
 * :mod:`.fsdp2`: torch's FSDP2.
 
 ``STRATEGIES`` maps each command-line name to its class.
@@ -15,12 +16,13 @@ from ..runtime import DistlabError
 from .base import Strategy
 from .fsdp2 import FSDP2
 from .replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
+from .zero import Zero1, Zero2
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy)
+    cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy, Zero1, Zero2)
 }
 
 

@@ -1,0 +1,65 @@
+"""Parameters laid end to end in one flat buffer, cut into equal shards.
+
+Every ZeRO stage works on this picture: the ``numel`` values of a group of
+parameters, padded with zeros to a multiple of the world size ``N``, so that
+rank ``r`` owns exactly ``ceil(numel / N)`` consecutive values. Equal
+shards are what ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+move; the padding is never read as a parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class FlatParams:
+    """How a list of tensors maps onto one padded flat buffer, and which slice this rank owns."""
+
+    def __init__(self, params: list[torch.Tensor], world_size: int, rank: int):
+        if not params:
+            raise ValueError("nothing to flatten: no parameter requires a gradient")
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard_numel = -(-self.numel // world_size)
+        self.padded_numel = self.shard_numel * world_size
+        self.shard = slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+    def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """One padded flat copy of ``tensors`` (shaped like the parameters; ``None`` counts as zeros)."""
+        first = self.params[0]
+        flat = torch.zeros(self.padded_numel, dtype=first.dtype, device=first.device)
+        for view, tensor in zip(self.views(flat), tensors):
+            if tensor is not None:
+                view.copy_(tensor)
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped like each parameter (the padding left out)."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+
+def _single_tensor_collectives():
+    """torch 2.13 renamed the equal-shard collectives (the old names warn there);
+    Kaggle's torch 2.10-2.11 still has only the old ones."""
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return all_gather, reduce_scatter
+
+
+def all_gather_flat(shard: torch.Tensor, padded_numel: int, group=None) -> torch.Tensor:
+    """Every rank's equal shard, concatenated in rank order."""
+    out = torch.empty(padded_numel, dtype=shard.dtype, device=shard.device)
+    _single_tensor_collectives()[0](out, shard.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_flat(flat: torch.Tensor, shard_numel: int, group=None) -> torch.Tensor:
+    """The sum over ranks of this rank's slice of ``flat`` (equal slices in rank order)."""
+    out = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
+    _single_tensor_collectives()[1](out, flat, group=group)
+    return out

@@ -1,0 +1,137 @@
+"""ZeRO-1 and ZeRO-2 from scratch: the optimizer state, then the gradients,
+sharded across ranks, while every rank keeps the whole model.
+
+* ZeRO-1: gradients are all-reduced exactly as in DDP; then each rank steps
+  the optimizer on its 1/N slice of the flat parameters only, so it holds
+  1/N of the optimizer state (Adam: two fp32 values per parameter), and the
+  updated slices are all-gathered back into every rank's model.
+* ZeRO-2: the same, but the gradients are reduce-scattered instead of
+  all-reduced: each rank receives only the summed slice it steps, and the
+  full gradient is dropped as soon as the reduce-scatter is done.
+
+Adam, AdamW and SGD act on each value independently, so stepping a flat
+slice is the same arithmetic as stepping the parameters whole: the result
+equals DDP's (tests/test_implementations.py).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..runtime import DistlabError
+from .base import OptimizerFactory
+from .flat_param import FlatParams, all_gather_flat, reduce_scatter_flat
+from .mini_ddp import BucketedDDP, DataParallelWrapper, _unused_parameter_message
+from .replicated import Replicated
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Step ``factory``'s optimizer on this rank's slice of the flat parameters,
+    then all-gather the slices into every rank's parameters.
+
+    Its ``param_groups`` are the model's parameters (so ``zero_grad`` and a
+    gradient scaler see the gradients the loop produced); the inner optimizer
+    holds state for the slice alone. ``gradient_shard`` (ZeRO-2) returns the
+    already reduced slice of the gradient; without it (ZeRO-1) the slice is
+    cut from the full, all-reduced gradients.
+    """
+
+    def __init__(self, params, factory: OptimizerFactory, group=None, gradient_shard=None):
+        params = [p for p in params if p.requires_grad]
+        self.group, self.gradient_shard = group, gradient_shard
+        self.flat = FlatParams(params, dist.get_world_size(group), dist.get_rank(group))
+        master = self.flat.flatten([p.detach() for p in params])[self.flat.shard].clone()
+        self.shard = nn.Parameter(master)
+        self.inner = factory([self.shard])
+        super().__init__(params, defaults={})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise DistlabError("ShardedOptimizer.step takes no closure")
+        if self.gradient_shard is not None:
+            self.shard.grad = self.gradient_shard()
+        else:
+            self.shard.grad = self.flat.flatten([p.grad for p in self.flat.params])[self.flat.shard]
+        self.inner.step()
+        gathered = all_gather_flat(self.shard.detach(), self.flat.padded_numel, self.group)
+        for param, value in zip(self.flat.params, self.flat.views(gathered)):
+            param.copy_(value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.shard.grad = None
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+class ShardedGradients(DataParallelWrapper):
+    """ZeRO-2's gradient synchronisation: after backward the flat gradient is
+    reduce-scattered, each rank keeps the averaged slice it will step, and
+    the full gradients are freed."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__(module, group)
+        self.flat = FlatParams(self.params, self.world_size, dist.get_rank(group))
+        self.grad_shard: torch.Tensor | None = None
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        if self.require_sync:
+            self._on_first_gradient()
+
+    def finish_gradient_sync(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                raise DistlabError(_unused_parameter_message(self.module, p))
+        flat = self.flat.flatten([p.grad for p in self.params])
+        flat.div_(self.world_size)  # average before summing: no overflow in low precision
+        self.grad_shard = reduce_scatter_flat(flat, self.flat.shard_numel, self.group)
+        for p in self.params:
+            p.grad = None  # only the slice this rank steps survives the backward
+
+
+class Zero1(Replicated):
+    """ZeRO-1: DDP's bucketed all-reduce, then a sharded optimizer."""
+
+    name: ClassVar[str] = "zero1"
+
+    def __init__(self, bucket_cap_mb: float = 25.0):
+        self.bucket_cap_mb = bucket_cap_mb
+
+    @classmethod
+    def from_config(cls, parallel):
+        return cls(parallel.ddp_bucket_cap_mb)
+
+    def wrap(self, model, runtime):
+        return BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb)
+
+    def make_optimizer(self, model, factory):
+        return ShardedOptimizer(model.parameters(), factory)
+
+
+class Zero2(Replicated):
+    """ZeRO-2: gradients reduce-scattered, a sharded optimizer on the slice."""
+
+    name: ClassVar[str] = "zero2"
+
+    def wrap(self, model, runtime):
+        return ShardedGradients(model)
+
+    def make_optimizer(self, model, factory):
+        return ShardedOptimizer(model.parameters(), factory, gradient_shard=lambda: model.grad_shard)
+
+    def grad_scaler(self, enabled, device):
+        if enabled:
+            # A scaler unscales and checks the gradients it finds on the model, and ZeRO-2 leaves none there.
+            raise DistlabError(
+                "--precision fp16 needs a gradient scaler, which zero2 does not support yet: use bf16 or fp32"
+            )
+        return super().grad_scaler(enabled, device)
