@@ -51,6 +51,18 @@ class Strategy:
         """The optimizer that steps ``model``; by default the plain one over all its parameters."""
         return factory(model.parameters())
 
+    def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank keeps for training, by what they are: ``parameters``
+        (what it stores of the model), ``gradients`` and ``optimizer_state``; a
+        sharding strategy adds ``gathered`` (whole parameters assembled from shards).
+        Memory accounting reads this; it never copies a tensor."""
+        params = [p for p in model.parameters()]
+        return {
+            "parameters": _unique(params),
+            "gradients": _unique(p.grad for p in params if p.grad is not None),
+            "optimizer_state": _unique(_state_values(optimizer.state)),
+        }
+
     def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
         """fp16's loss scaler; a sharded strategy needs one whose inf checks agree across ranks."""
         return torch.amp.GradScaler(device.type, enabled=enabled)
@@ -67,3 +79,19 @@ class Strategy:
                 f"strategy {self.name} runs on {allowed} rank(s) but torchrun started {world_size}: "
                 f"use --nproc_per_node={fit}, or another --strategy"
             )
+
+
+def _state_values(state) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's per-parameter state (Adam's step, exp_avg, exp_avg_sq)."""
+    return [value for per_param in state.values() for value in per_param.values() if isinstance(value, torch.Tensor)]
+
+
+def _unique(tensors) -> list[torch.Tensor]:
+    """Each tensor once (a tied weight is one parameter), as local tensors (a DTensor's own shard)."""
+    seen, out = set(), []
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if id(local) not in seen:
+            seen.add(id(local))
+            out.append(local)
+    return out

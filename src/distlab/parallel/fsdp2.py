@@ -66,8 +66,27 @@ class FSDP2(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
+    def state_tensors(self, model, optimizer):
+        found = super().state_tensors(model, optimizer)
+        found["gathered"] = [param for param in _unsharded_parameters(model) if param.untyped_storage().size() > 0]
+        return found
+
     def grad_scaler(self, enabled, device):
         # Each rank sees only its gradient shard, so the inf/nan check must agree across ranks.
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, enabled=enabled)
+
+
+def _unsharded_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The whole parameters FSDP2 assembles from shards (allocated only while gathered).
+    They live in FSDP2's private state; if that moves, they are counted as other memory."""
+    found = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", lambda: None)()
+        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                found.append(unsharded)
+    return found

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..runtime import DistlabError
-from .base import OptimizerFactory
+from .base import OptimizerFactory, _state_values
 from .flat_param import FlatParams, all_gather_flat, reduce_scatter_flat
 from .mini_ddp import BucketedDDP, DataParallelWrapper, _unused_parameter_message
 from .replicated import Replicated
@@ -56,7 +56,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.gradient_shard is not None:
             self.shard.grad = self.gradient_shard()
         else:
-            self.shard.grad = self.flat.flatten([p.grad for p in self.flat.params])[self.flat.shard]
+            self.shard.grad = self.flat.flatten([p.grad for p in self.flat.params])[self.flat.shard].clone()
         self.inner.step()
         gathered = all_gather_flat(self.shard.detach(), self.flat.padded_numel, self.group)
         for param, value in zip(self.flat.params, self.flat.views(gathered)):
@@ -97,6 +97,13 @@ class ShardedGradients(DataParallelWrapper):
         for p in self.params:
             p.grad = None  # only the slice this rank steps survives the backward
 
+    def take_grad_shard(self) -> torch.Tensor:
+        """The reduced gradient slice, handed over once (the optimizer owns it from then on)."""
+        if self.grad_shard is None:
+            raise DistlabError("zero2: the optimizer stepped before a backward produced gradients")
+        shard, self.grad_shard = self.grad_shard, None
+        return shard
+
 
 class Zero1(Replicated):
     """ZeRO-1: DDP's bucketed all-reduce, then a sharded optimizer."""
@@ -116,6 +123,9 @@ class Zero1(Replicated):
     def make_optimizer(self, model, factory):
         return ShardedOptimizer(model.parameters(), factory)
 
+    def state_tensors(self, model, optimizer):
+        return _sharded_optimizer_state(super().state_tensors(model, optimizer), optimizer)
+
 
 class Zero2(Replicated):
     """ZeRO-2: gradients reduce-scattered, a sharded optimizer on the slice."""
@@ -126,7 +136,13 @@ class Zero2(Replicated):
         return ShardedGradients(model)
 
     def make_optimizer(self, model, factory):
-        return ShardedOptimizer(model.parameters(), factory, gradient_shard=lambda: model.grad_shard)
+        return ShardedOptimizer(model.parameters(), factory, gradient_shard=model.take_grad_shard)
+
+    def state_tensors(self, model, optimizer):
+        found = _sharded_optimizer_state(super().state_tensors(model, optimizer), optimizer)
+        if model.grad_shard is not None:  # between backward and step: the reduced slice
+            found["gradients"].append(model.grad_shard)
+        return found
 
     def grad_scaler(self, enabled, device):
         if enabled:
@@ -135,3 +151,12 @@ class Zero2(Replicated):
                 "--precision fp16 needs a gradient scaler, which zero2 does not support yet: use bf16 or fp32"
             )
         return super().grad_scaler(enabled, device)
+
+
+def _sharded_optimizer_state(found: dict[str, list], optimizer: ShardedOptimizer) -> dict[str, list]:
+    """The optimizer's state is its inner optimizer's, on this rank's slice; the slice's
+    gradient is a gradient while the step runs."""
+    found["optimizer_state"] = _state_values(optimizer.inner.state)
+    if optimizer.shard.grad is not None:
+        found["gradients"].append(optimizer.shard.grad)
+    return found
