@@ -1,0 +1,95 @@
+"""Bytes each rank sends, counted from the collectives it calls.
+
+Every collective of ``torch.distributed`` (DDP's buckets, FSDP2's
+all-gathers, the course's ZeRO) passes through PyTorch's dispatcher as a
+``c10d`` operator, so one dispatch mode sees them all. Each call is counted
+at the volume a ring algorithm sends per rank for it (the convention of
+nccl-tests' bus bandwidth, and of the ZeRO paper's 2Ψ / 3Ψ):
+
+=========================  ==========================  ===================
+collective                 ``S`` is                    bytes sent per rank
+=========================  ==========================  ===================
+all-reduce                 the tensor                  ``2 (n-1)/n · S``
+all-gather                 the gathered output         ``(n-1)/n · S``
+reduce-scatter             the input being reduced     ``(n-1)/n · S``
+broadcast                  the tensor                  ``S`` (ring: each rank forwards it once)
+send                       the tensor                  ``S``
+=========================  ==========================  ===================
+
+It counts what the algorithm needs, not what a backend happens to do: gloo
+runs a reduce-scatter as a whole all-reduce underneath, and sends more.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d operator name -> (collective, which argument holds S, bytes-per-rank factor as a function of n)
+_COLLECTIVES = {
+    "allreduce_": ("all_reduce", 0, lambda n: 2 * (n - 1) / n),
+    "allreduce_coalesced_": ("all_reduce", 0, lambda n: 2 * (n - 1) / n),
+    "_allgather_base_": ("all_gather", 0, lambda n: (n - 1) / n),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, lambda n: (n - 1) / n),
+    "allgather_": ("all_gather", 0, lambda n: (n - 1) / n),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, lambda n: (n - 1) / n),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, lambda n: (n - 1) / n),
+    "reduce_scatter_": ("reduce_scatter", 1, lambda n: (n - 1) / n),
+    "broadcast_": ("broadcast", 0, lambda n: 1.0 if n > 1 else 0.0),
+    "send": ("send", 0, lambda n: 1.0),
+}
+
+
+def _nbytes(arg) -> int:
+    """Bytes of a tensor, or of a (nested) list of tensors, as the c10d operators receive them."""
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(_nbytes(item) for item in arg)
+    return 0
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Inside ``with TrafficCounter(world_size) as counted:``, every collective this
+    rank calls is added to ``counted.bytes_sent`` and ``counted.calls``, by collective."""
+
+    def __init__(self, world_size: int):
+        super().__init__()
+        self.world_size = world_size
+        self.bytes_sent: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func._opname in _COLLECTIVES:
+            collective, which, factor = _COLLECTIVES[func._opname]
+            self.bytes_sent[collective] += factor(self.world_size) * _nbytes(args[which])
+            self.calls[collective] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes_sent.values())
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {name: {"bytes_sent": self.bytes_sent[name], "calls": self.calls[name]} for name in sorted(self.bytes_sent)}
+
+
+def expected_bytes_per_step(strategy: str, parameters: int, world_size: int, bytes_per_value: int = 4) -> float:
+    """The derivation: bytes one rank sends in one optimizer step, for ``parameters`` (Ψ) values.
+
+    DDP all-reduces the gradients: 2Ψ(n-1)/n. ZeRO-1 as written here all-reduces
+    them too and then all-gathers the updated parameters: 3Ψ(n-1)/n. ZeRO-2
+    reduce-scatters instead (each rank needs only its slice), so it is back
+    to DDP's 2Ψ(n-1)/n: sharding gradients and optimizer state costs no
+    traffic. ZeRO-3 all-gathers the parameters in forward and again in
+    backward, and reduce-scatters the gradients: 3Ψ(n-1)/n, 1.5x DDP; keeping
+    the gathered parameters from forward to backward (SHARD_GRAD_OP) saves the
+    second gather: 2Ψ(n-1)/n. Ψ here includes the padding of the flat buffers.
+    """
+    volumes = {"ddp": 2, "naive_ddp": 2, "bucketed_ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3, "zero3_shard_grad_op": 2}
+    if strategy not in volumes:
+        raise ValueError(f"no derivation for {strategy!r}: choose from {', '.join(volumes)}")
+    n = world_size
+    return volumes[strategy] * parameters * bytes_per_value * (n - 1) / n

@@ -1,0 +1,75 @@
+"""Bytes each rank sends per optimizer step, counted from the collectives it
+really calls, equal the derivation for every strategy: DDP 2Ψ(n-1)/n, the
+course's ZeRO-1 3Ψ(n-1)/n, ZeRO-2 back to 2Ψ(n-1)/n."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab.models import build_model
+from distlab.parallel import STRATEGIES
+from distlab.testing import run_ranks
+from distlab.traffic import TrafficCounter, expected_bytes_per_step
+
+STRATEGY_NAMES = ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "zero2"]
+
+
+def one_step_counted(runtime, names):
+    sent = {}
+    for name in names:
+        strategy = STRATEGIES[name]()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = strategy.wrap(build_model("gpt-tiny"), runtime)
+        optimizer = strategy.make_optimizer(model, lambda params: torch.optim.Adam(params, lr=1e-3))
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(runtime.rank))
+        for step in range(2):  # the second step is counted: the first may set things up (DDP rebuilds buckets)
+            with TrafficCounter(runtime.world_size) as counted:
+                F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        sent[name] = counted.summary()
+    return sent
+
+
+def _padded(parameters: int, n: int) -> int:
+    return -(-parameters // n) * n
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bytes_sent_per_step_equal_the_derivation(tmp_path, world_size):
+    parameters = sum(p.numel() for p in build_model("gpt-tiny").parameters())  # the tied head counts once
+    ranks = run_ranks(one_step_counted, world_size, tmp_path, STRATEGY_NAMES)
+    for sent in ranks:
+        for name in STRATEGY_NAMES:
+            # torch DDP also broadcasts a few bytes of bookkeeping in every forward: counted, not gradients
+            bookkeeping = sent[name].pop("broadcast", {"bytes_sent": 0})["bytes_sent"]
+            assert bookkeeping < 1024, (name, bookkeeping)
+            total = sum(entry["bytes_sent"] for entry in sent[name].values())
+            # the flat buffers of ZeRO are padded to a multiple of n; DDP's buckets are not
+            psi = _padded(parameters, world_size) if name.startswith("zero") else parameters
+            assert total == pytest.approx(expected_bytes_per_step(name, psi, world_size), rel=1e-9), (name, sent[name])
+    zero1, zero2 = ranks[0]["zero1"], ranks[0]["zero2"]
+    assert set(zero1) == {"all_reduce", "all_gather"} and set(zero2) == {"reduce_scatter", "all_gather"}
+
+
+def count_each_collective(runtime):
+    n = runtime.world_size
+    with TrafficCounter(n) as counted:
+        dist.all_reduce(torch.ones(120))
+        out = torch.empty(120)
+        dist.all_gather_into_tensor(out, torch.ones(120 // n))
+        dist.reduce_scatter_tensor(torch.empty(120 // n), torch.ones(120))
+        dist.broadcast(torch.ones(30), src=0)
+    return counted.summary()
+
+
+def test_each_collective_is_counted_at_the_ring_volume(tmp_path):
+    for summary in run_ranks(count_each_collective, 3, tmp_path):
+        assert summary["all_reduce"]["bytes_sent"] == pytest.approx(2 * 2 / 3 * 480)
+        assert summary["all_gather"]["bytes_sent"] == pytest.approx(2 / 3 * 480)
+        assert summary["reduce_scatter"]["bytes_sent"] == pytest.approx(2 / 3 * 480)
+        assert summary["broadcast"]["bytes_sent"] == pytest.approx(120)
