@@ -26,7 +26,7 @@ def one_step_counted(runtime, names):
             model = strategy.wrap(build_model("gpt-tiny"), runtime)
         optimizer = strategy.make_optimizer(model, lambda params: torch.optim.Adam(params, lr=1e-3))
         tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(runtime.rank))
-        for step in range(2):  # the second step is counted: the first may set things up (DDP rebuilds buckets)
+        for _ in range(2):  # the second step is counted: the first may set things up (DDP rebuilds buckets)
             with TrafficCounter(runtime.world_size) as counted:
                 F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
                 optimizer.step()

@@ -73,7 +73,7 @@ class TrafficCounter(TorchDispatchMode):
         return sum(self.bytes_sent.values())
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {name: {"bytes_sent": self.bytes_sent[name], "calls": self.calls[name]} for name in sorted(self.bytes_sent)}
+        return {name: {"bytes_sent": sent, "calls": self.calls[name]} for name, sent in sorted(self.bytes_sent.items())}
 
 
 def expected_bytes_per_step(strategy: str, parameters: int, world_size: int, bytes_per_value: int = 4) -> float:
@@ -88,7 +88,8 @@ def expected_bytes_per_step(strategy: str, parameters: int, world_size: int, byt
     the gathered parameters from forward to backward (SHARD_GRAD_OP) saves the
     second gather: 2Ψ(n-1)/n. Ψ here includes the padding of the flat buffers.
     """
-    volumes = {"ddp": 2, "naive_ddp": 2, "bucketed_ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3, "zero3_shard_grad_op": 2}
+    volumes = {"ddp": 2, "naive_ddp": 2, "bucketed_ddp": 2, "zero1": 3, "zero2": 2}
+    volumes |= {"zero3": 3, "zero3_shard_grad_op": 2}
     if strategy not in volumes:
         raise ValueError(f"no derivation for {strategy!r}: choose from {', '.join(volumes)}")
     n = world_size
