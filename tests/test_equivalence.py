@@ -107,3 +107,14 @@ def local_parameter_count(runtime):
         "local": sum(p.to_local().numel() for p in model.parameters()),
         "total": sum(p.numel() for p in model.parameters()),
     }
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_clipping_by_the_global_norm_equals_the_large_batch(tmp_path, strategy):
+    # A norm small enough that every step clips: each rank must scale by the
+    # norm over all ranks' gradients (or shards), not by its own part of it.
+    clipped = dict(max_grad_norm=0.05, optimizer="adam", lr=1e-3)
+    reference = _single(tmp_path, 16, **clipped)
+    ranks = run_ranks(train_and_report, 2, tmp_path, _config(strategy=strategy, **clipped))
+    for rank in ranks:
+        _assert_same_weights(rank["state"], reference["state"])

@@ -52,6 +52,7 @@ class TrainingConfig:
     max_steps: int = option(0, "stop each epoch after this many optimizer steps (0: the whole epoch)")
     lr: float = option(1e-3, "learning rate")
     optimizer: Literal["adam", "adamw", "sgd"] = option("adam", "adam, adamw or sgd (momentum 0.9)")
+    max_grad_norm: float = option(0.0, "clip the gradients to this norm over all ranks' shards (0: no clipping)")
     seed: int = option(0, "seeds the weights (identical on every rank) and the data order")
 
 

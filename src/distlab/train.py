@@ -86,6 +86,10 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring the gradients back to their true scale (before clipping them)."""
+        self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.step(optimizer)
         self.scaler.update()
@@ -245,6 +249,9 @@ def train_step(run: Run, batches: Iterator, sums: MetricSums) -> torch.Tensor:
             run.precision.backward(losses.mean() / accum)
         sums.add(losses, correct)
         step_loss += losses.detach().mean().double() / accum
+    if run.cfg.training.max_grad_norm > 0:
+        run.precision.unscale(run.optimizer)
+        run.strategy.clip_grad_norm_(run.model, run.cfg.training.max_grad_norm)
     run.precision.step(run.optimizer)
     run.optimizer.zero_grad(set_to_none=True)
     return step_loss

@@ -63,6 +63,13 @@ class Strategy:
             "optimizer_state": _unique(_state_values(optimizer.state)),
         }
 
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+        """Scale the gradients so their norm over the whole model is at most
+        ``max_norm``; return the norm before clipping. Every rank holds the same
+        whole gradients here, or torch's DTensors know their shards (FSDP2)."""
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
     def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
         """fp16's loss scaler; a sharded strategy needs one whose inf checks agree across ranks."""
         return torch.amp.GradScaler(device.type, enabled=enabled)

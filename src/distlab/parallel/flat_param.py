@@ -63,3 +63,19 @@ def reduce_scatter_flat(flat: torch.Tensor, shard_numel: int, group=None) -> tor
     out = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
     _single_tensor_collectives()[1](out, flat, group=group)
     return out
+
+
+def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:
+    """Clip gradients that are cut into shards across ranks by their global
+    norm: each rank sums the squares of its shards, one all-reduce adds the
+    sums, and every rank scales its shards by the same factor. Padding is zero
+    and adds nothing. Returns the norm before clipping."""
+    device = shards[0].device if shards else torch.device("cpu")
+    squares = sum((s.double().pow(2).sum() for s in shards), torch.zeros((), dtype=torch.float64, device=device))
+    dist.all_reduce(squares, group=group)
+    norm = squares.sqrt().item()
+    scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
+    if scale < 1:
+        for shard in shards:
+            shard.mul_(scale)
+    return norm

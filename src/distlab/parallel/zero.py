@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..runtime import DistlabError
 from .base import OptimizerFactory, _state_values
-from .flat_param import FlatParams, all_gather_flat, reduce_scatter_flat
+from .flat_param import FlatParams, all_gather_flat, clip_sharded_grad_norm_, reduce_scatter_flat
 from .mini_ddp import BucketedDDP, DataParallelWrapper, _unused_parameter_message
 from .replicated import Replicated
 
@@ -137,6 +137,9 @@ class Zero2(Replicated):
 
     def make_optimizer(self, model, factory):
         return ShardedOptimizer(model.parameters(), factory, gradient_shard=model.take_grad_shard)
+
+    def clip_grad_norm_(self, model, max_norm):
+        return clip_sharded_grad_norm_([model.grad_shard], max_norm, model.group)
 
     def state_tensors(self, model, optimizer):
         found = _sharded_optimizer_state(super().state_tensors(model, optimizer), optimizer)
