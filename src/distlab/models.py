@@ -122,6 +122,8 @@ class GPTConfig:
 
 GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64),
+    # about 14M parameters: big enough that communication and optimizer state matter, small enough for a CPU
+    "gpt-mini": GPTConfig(n_layer=6, n_head=6, d_model=384, vocab_size=8192, seq_len=256),
     "gpt-small": GPTConfig(n_layer=12, n_head=12, d_model=768),
     "gpt-medium": GPTConfig(n_layer=24, n_head=16, d_model=1024),
     "gpt-large": GPTConfig(n_layer=36, n_head=20, d_model=1280),

@@ -1,0 +1,94 @@
+"""One optimizer step of each strategy, side by side: forward, backward,
+gradient synchronisation and the optimizer's step, as the training loop runs them.
+
+    torchrun --standalone --nproc_per_node=2 -m distlab.bench.step --model gpt-mini --strategies ddp,zero3,fsdp
+
+Every variant is built through the strategy registry from the same seed and
+trains on the same batches; the variants take turns within each repetition
+(round-robin), and a step's time is its slowest rank's. After the timing,
+one more step of each variant is counted: the bytes each rank sends, by
+collective (:mod:`distlab.traffic`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cli import BenchConfig, finish_run, option, parse
+from ..config import ParallelConfig
+from ..data import SyntheticTokens
+from ..models import GPT_PRESETS, build_model, count_parameters
+from ..parallel import make_strategy
+from ..runtime import distributed, run_main
+from ..traffic import TrafficCounter
+from .harness import round_robin, summarize_times
+
+
+@dataclass
+class StepBenchConfig(BenchConfig):
+    """Time one optimizer step of each strategy side by side, and count the bytes each rank sends."""
+
+    model: str = option("gpt-mini", "a GPT preset", choices=list(GPT_PRESETS))
+    strategies: str = option("ddp,zero1,zero2,zero3,fsdp", "strategies to compare, comma-separated")
+    batch_size: int = option(4, "sequences per rank per step")
+    seq_len: int = option(128, "tokens per sequence")
+    reshard_after_forward: bool = option(True, "zero3 and fsdp: free gathered parameters after forward")
+    zero_collectives: str = option("", "zero3: torch or ring (default: the strategy's own default)")
+    steps: int = option(10, "timed steps per strategy")
+    warmup: int = option(2, "untimed steps per strategy")
+
+
+class Trainee:
+    """A model wrapped by one strategy, with its optimizer: one call is one optimizer step."""
+
+    def __init__(self, name: str, cfg: StepBenchConfig, runtime):
+        parallel = ParallelConfig(strategy=name, fsdp_reshard_after_forward=cfg.reshard_after_forward)
+        if cfg.zero_collectives:
+            parallel.zero_collectives = cfg.zero_collectives
+        self.strategy = make_strategy(parallel)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build_model(cfg.model).to(runtime.device)
+        self.model = self.strategy.wrap(model, runtime)
+        self.optimizer = self.strategy.make_optimizer(self.model, lambda params: torch.optim.Adam(params, lr=1e-4))
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        logits = self.model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse(StepBenchConfig, argv)
+    names = [name for name in cfg.strategies.split(",") if name]
+    with distributed(cfg.where.device, cfg.where.backend) as runtime:
+        vocab = GPT_PRESETS[cfg.model].vocab_size
+        batch = SyntheticTokens(vocab, cfg.seq_len, cfg.batch_size, seed=1234 + runtime.rank)
+        tokens, targets = batch.data.to(runtime.device), batch.targets.to(runtime.device)
+        trainees = {name: Trainee(name, cfg, runtime) for name in names}
+        parameters = count_parameters(next(iter(trainees.values())).model)
+        runtime.log(
+            f"distlab.bench.step: {cfg.model} ({parameters:,} parameters), {cfg.batch_size}x{cfg.seq_len} tokens/rank, "
+            f"{runtime.describe()}, {len(names)} strategies x {cfg.steps} steps"
+        )
+        steps = {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
+        times = round_robin(steps, runtime, cfg.steps, cfg.warmup)
+        rows = []
+        for name, trainee in trainees.items():
+            with TrafficCounter(runtime.world_size) as counted:
+                trainee.step(tokens, targets)
+            stats = summarize_times(times[name])
+            rows.append({"strategy": name, **stats, "times_s": times[name], "traffic": counted.summary()})
+            sent = counted.total_bytes / 2**20
+            runtime.log(f"  {name:<8} median {1e3 * stats['time_s']:8.1f} ms, sends {sent:7.1f} MiB/step")
+        metrics = {"variants": rows, "parameters": parameters}
+        name = cfg.output.name or f"step-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
+        finish_run(runtime, cfg.output.out, name, "step_bench", asdict(cfg), metrics)
+
+
+if __name__ == "__main__":
+    run_main(main)
