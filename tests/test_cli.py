@@ -233,3 +233,48 @@ def test_data_mistakes_demo_counts_what_each_rank_saw(tmp_path):
         report["sampler + set_epoch"]["epochs_repeating_previous_order"] == 0
         and not report["sampler + set_epoch"]["problems"]
     )
+
+
+def test_shard_collectives_bench_checks_and_times_both_halves_of_all_reduce(tmp_path):
+    done = run_torchrun(
+        2,
+        "distlab.bench.shard_collectives",
+        "--sizes",
+        "64KB",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = read_result(tmp_path / "shard-collectives-2xcpu.json")["metrics"]
+    assert {(r["collective"], r["impl"]) for r in rows} == {
+        ("all_reduce", "torch"),
+        ("reduce_scatter", "torch"),
+        ("reduce_scatter", "ring"),
+        ("all_gather", "torch"),
+        ("all_gather", "ring"),
+    }
+    assert all(r["time_s"] > 0 and r["busbw_GBps"] > 0 for r in rows)
+
+
+def test_step_bench_times_each_strategy_and_counts_its_traffic(tmp_path):
+    args = ["--model", "gpt-tiny", "--seq-len", "32", "--strategies", "ddp,zero2", "--steps", "2", "--warmup", "1"]
+    done = run_torchrun(2, "distlab.bench.step", *args, "--device", "cpu", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["strategy"]: r for r in read_result(tmp_path / "step-gpt-tiny-2xcpu.json")["metrics"]["variants"]}
+    assert set(rows) == {"ddp", "zero2"} and all(len(r["times_s"]) == 2 for r in rows.values())
+    assert set(rows["zero2"]["traffic"]) == {"reduce_scatter", "all_gather"}
+
+
+def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "distlab.bench.step", "--model", "gpt-tiny", "--seq-len", "128", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [_error_line(done)], done.stderr[-2000:]
+    assert "--seq-len" in done.stderr

@@ -22,7 +22,7 @@ from ..config import ParallelConfig
 from ..data import SyntheticTokens
 from ..models import GPT_PRESETS, build_model, count_parameters
 from ..parallel import make_strategy
-from ..runtime import distributed, run_main
+from ..runtime import DistlabError, distributed, run_main
 from ..traffic import TrafficCounter
 from .harness import round_robin, summarize_times
 
@@ -39,6 +39,11 @@ class StepBenchConfig(BenchConfig):
     zero_collectives: str = option("", "zero3: torch or ring (default: the strategy's own default)")
     steps: int = option(10, "timed steps per strategy")
     warmup: int = option(2, "untimed steps per strategy")
+
+    def validate(self) -> None:
+        longest = GPT_PRESETS[self.model].seq_len
+        if not 1 <= self.seq_len <= longest:
+            raise DistlabError(f"{self.model} takes sequences of 1 to {longest} tokens, not --seq-len {self.seq_len}")
 
 
 class Trainee:
