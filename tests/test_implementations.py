@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from distlab.checkpoint import full_state_dict
 from distlab.collectives import ring_all_reduce
-from distlab.parallel import FSDP2, BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2
+from distlab.parallel import FSDP2, BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2, Zero3
 from distlab.parallel.base import Strategy
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP
 from distlab.runtime import Runtime
@@ -59,6 +59,11 @@ IMPLEMENTATIONS = {
     "bucketed_ddp_small": _row(BucketedDDPStrategy(0.05), True),
     "zero1": _row(Zero1(), True),
     "zero2": _row(Zero2(), True),
+    "zero3_full_shard": _row(Zero3(reshard_after_forward=True), True),
+    "zero3_shard_grad_op": _row(Zero3(reshard_after_forward=False), True),
+    "zero3_prefetch": _row(Zero3(prefetch=True), True),
+    "zero3_our_ring": _row(Zero3(collectives="ring"), True),
+    "zero3_torch_collectives": _row(Zero3(collectives="torch"), True),
     "fsdp2_full_shard": _row(FSDP2(reshard_after_forward=True), False),
     "fsdp2_shard_grad_op": _row(FSDP2(reshard_after_forward=False), False),
 }

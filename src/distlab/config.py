@@ -61,7 +61,8 @@ class ParallelConfig:
     strategy: str = option(
         "ddp",
         "how the model is wrapped: single (1 rank), ddp (torch DDP), fsdp (FSDP2 fully_shard), or the "
-        "course's own naive_ddp / bucketed_ddp (DDP) and zero1 / zero2 (optimizer state, then gradients, sharded)",
+        "course's own naive_ddp / bucketed_ddp (DDP), zero1 / zero2 (optimizer state, then gradients, sharded) "
+        "and zero3 (parameters sharded too: FSDP from scratch)",
         choices=list(STRATEGIES),
     )
     device: Literal["auto", "cpu", "cuda"] = option(
@@ -81,6 +82,12 @@ class ParallelConfig:
     )
     fsdp_param_dtype: Literal["none", "bf16", "fp16"] = option(
         "none", "fsdp: MixedPrecisionPolicy parameter dtype (gradients reduced in fp32)"
+    )
+    zero3_prefetch: bool = option(False, "zero3: all-gather the next unit while this one computes")
+    zero_collectives: Literal["auto", "torch", "ring"] = option(
+        "auto",
+        "zero3: torch's all-gather/reduce-scatter, the course's hand-written ring, or auto (the ring on gloo, "
+        "whose reduce-scatter is a whole all-reduce underneath; torch's on NCCL)",
     )
 
 

@@ -3,6 +3,7 @@
 
 * :mod:`.replicated`: one process, torch DDP, and the course's DDP from scratch (:mod:`.mini_ddp`);
 * :mod:`.zero`: ZeRO-1 and ZeRO-2 from scratch (optimizer state, then gradients, sharded);
+* :mod:`.mini_fsdp`: ZeRO-3 from scratch (the parameters themselves sharded), the course's own FSDP;
 * :mod:`.fsdp2`: torch's FSDP2.
 
 ``STRATEGIES`` maps each command-line name to its class.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from ..runtime import DistlabError
 from .base import Strategy
 from .fsdp2 import FSDP2
+from .mini_fsdp import Zero3
 from .replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
 from .zero import Zero1, Zero2
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from ..config import ParallelConfig
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy, Zero1, Zero2)
+    cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy, Zero1, Zero2, Zero3)
 }
 
 

@@ -1,0 +1,334 @@
+"""ZeRO-3 from scratch, the course's own FSDP: the parameters themselves sharded.
+
+ZeRO-2 still keeps the whole model on every rank. ZeRO-3 keeps a slice:
+each shard unit's trainable parameters are laid end to end in one flat
+buffer padded to a multiple of the world size ``N``
+(:class:`.flat_param.FlatParams`), and a rank permanently stores only its
+``ceil(numel / N)`` values, as the one ``nn.Parameter`` its optimizer steps.
+The whole parameters exist only while their unit computes:
+
+* just before a unit's forward, its flat buffer is all-gathered and the
+  module's parameters are views of it;
+* after forward the buffer is freed (FULL_SHARD) or kept until backward
+  (SHARD_GRAD_OP); when the gradient of the unit's output arrives, its
+  backward is next, and the buffer is gathered again if it was freed;
+* once the last of the unit's gradients has accumulated, they are flattened,
+  averaged over ranks by a reduce-scatter into this rank's slice, and the
+  whole gradients and the whole parameters are freed.
+
+Freeing resizes the buffer's storage to zero bytes rather than dropping the
+tensor: the parameters, and the views of them autograd saved for backward,
+keep pointing at that storage, and the next gather refills it in place.
+
+Frozen parameters and buffers stay whole on every rank (broadcast from rank 0
+at wrap, as in the course's DDP): they have no gradient and no optimizer
+state to shard.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..collectives import ring_all_gather, ring_reduce_scatter
+from ..models import require_shard_units
+from ..runtime import DistlabError
+from .base import Strategy, _state_values, _unique
+from .flat_param import FlatParams, _single_tensor_collectives, reduce_scatter_flat
+from .mini_ddp import DataParallelWrapper
+
+
+class TorchCollectives:
+    """torch's equal-shard collectives: rank ``r`` owns segment ``r`` of the flat buffer."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def owned_segment(self, rank: int, world_size: int) -> int:
+        return rank
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, owned: slice, async_op: bool = False):
+        """Every rank's shard into ``full``; with ``async_op``, the work to wait on."""
+        # Straight into the unit's buffer, and asynchronously for a prefetch: all_gather_flat does neither.
+        all_gather_single = _single_tensor_collectives()[0]
+        return all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, flat: torch.Tensor, owned: slice) -> torch.Tensor:
+        """The sum over ranks of this rank's segment of ``flat``."""
+        return reduce_scatter_flat(flat, owned.stop - owned.start, self.group)
+
+
+class RingCollectives(TorchCollectives):
+    """The ring chapter's hand-written collectives (all-reduce = reduce-scatter +
+    all-gather). Its reduce-scatter leaves rank ``r`` the sum of segment
+    ``(r+1) % n`` and its all-gather starts from that segment; the flat buffer's
+    length is a multiple of ``n``, so the ring's segments are the equal shards
+    and rank ``r`` simply owns segment ``(r+1) % n`` in both directions."""
+
+    def owned_segment(self, rank: int, world_size: int) -> int:
+        return (rank + 1) % world_size
+
+    def all_gather(self, full, shard, owned, async_op=False):
+        full[owned].copy_(shard)
+        ring_all_gather(full, self.group)
+        return None  # blocking point-to-point messages: a prefetch only moves the gather earlier
+
+    def reduce_scatter(self, flat, owned):
+        return ring_reduce_scatter(flat, self.group).clone()  # segment (rank+1) % n; the rest are partial sums
+
+
+COLLECTIVES = {"torch": TorchCollectives, "ring": RingCollectives}
+
+
+class ShardedUnit:
+    """One shard unit's trainable parameters: a padded flat buffer that is whole
+    only while the unit computes, and this rank's permanent slice of it."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], collectives: TorchCollectives, group=None):
+        if len({p.dtype for p in params}) > 1:
+            raise DistlabError(f"zero3 flattens each unit into one buffer, but {type(module).__name__} mixes dtypes")
+        self.module, self.collectives = module, collectives
+        self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout = FlatParams(params, self.world_size, collectives.owned_segment(rank, self.world_size))
+        self.full = self.layout.flatten([p.detach() for p in params])
+        self.shard = nn.Parameter(self.full[self.layout.shard].clone())
+        for param, view in zip(params, self.layout.views(self.full)):
+            param.data = view  # from now on the module computes with views of the gathered buffer
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        self.pending = None  # the work of a prefetch's all-gather still in flight
+        self.ready: set[int] = set()  # ids of the parameters whose gradient this backward has completed
+        self.free()
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather the whole parameters, unless they are already there or on their way.
+        With ``async_op`` (a prefetch), return at once: the next plain gather waits for it."""
+        if not self.is_gathered:
+            self.full.untyped_storage().resize_(self.full_bytes)
+            self.pending = self.collectives.all_gather(self.full, self.shard.detach(), self.layout.shard, async_op)
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def free(self) -> None:
+        """Give back the whole parameters' memory (after any all-gather still writing into it)."""
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+
+    def gradient_ready(self, param: nn.Parameter, sync: bool) -> None:
+        """``param``'s gradient is complete for this backward. After the unit's last one,
+        reduce-scatter them all (or, under ``no_sync``, keep them whole) and free the parameters."""
+        self.ready.add(id(param))
+        if len(self.ready) == len(self.layout.params):
+            self.ready.clear()
+            if sync:
+                self.reduce_scatter_gradients()
+            self.free()
+
+    def reduce_scatter_gradients(self) -> None:
+        flat = self.layout.flatten([p.grad for p in self.layout.params])
+        flat.div_(self.world_size)  # average before summing: no overflow in low precision
+        reduced = self.collectives.reduce_scatter(flat, self.layout.shard)
+        if self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad += reduced  # gradients accumulate until zero_grad, as on any parameter
+        for p in self.layout.params:
+            p.grad = None  # only this rank's slice of the gradient outlives the backward
+
+    def end_backward(self) -> nn.Parameter | None:
+        """Free whatever a backward left gathered; return a parameter that got no gradient
+        while others of the unit did (its unit was never reduced), else None."""
+        missing = next((p for p in self.layout.params if id(p) not in self.ready), None) if self.ready else None
+        self.ready.clear()
+        self.free()
+        return missing
+
+
+class ShardedParameters(DataParallelWrapper):
+    """ZeRO-3 / FSDP from scratch: each shard unit, then the root (every trainable
+    parameter no unit holds), stores a 1/N slice of its parameters.
+
+    Rank 0's weights are broadcast first (DDP's contract, from
+    :class:`.mini_ddp.DataParallelWrapper`, as is ``no_sync()``: inside it,
+    backwards accumulate whole gradients locally, and the next synced backward
+    reduce-scatters their sum). Forward and backward hooks gather and free the
+    units; ``prefetch`` starts the next unit's all-gather while this one computes.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[nn.Module],
+        reshard_after_forward: bool = True,
+        prefetch: bool = False,
+        collectives: str = "torch",
+        group=None,
+    ):
+        super().__init__(module, group)  # broadcasts rank 0's weights; gradient hooks call _gradient_ready
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        sharded = self._shard(units, COLLECTIVES[collectives](group))
+        self.root = sharded[-1] if sharded and sharded[-1].module is module else None
+        self.units = [unit for unit in sharded if unit is not self.root]
+        # Forward gathers the root first, then the units; backward starts from the root's output.
+        self.forward_order = [self.root, *self.units] if self.root else self.units
+        self.backward_order = [self.root, *self.units[::-1]] if self.root else self.units[::-1]
+        self.unit_of = {p: unit for unit in sharded for p in unit.layout.params}
+        for unit in sharded:
+            unit.module.register_forward_pre_hook(partial(self._before_forward, unit))
+            unit.module.register_forward_hook(partial(self._after_forward, unit))
+
+    def _shard(self, units: list[nn.Module], collectives: TorchCollectives) -> list[ShardedUnit]:
+        """A ShardedUnit per module with trainable parameters; the root, last, takes the rest
+        (a tied weight, used by two modules, stays there and is gathered once)."""
+        claimed: set[int] = set()
+        sharded = []
+        for module in [*units, self.module]:
+            if module is not self.module and any(id(p) in claimed for p in module.parameters()):
+                raise DistlabError(
+                    f"zero3: shard unit {type(module).__name__} shares a parameter with an earlier unit: "
+                    "units must not overlap (leave modules that share a weight to the root)"
+                )
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
+            claimed.update(id(p) for p in params)
+            if params:
+                sharded.append(ShardedUnit(module, params, collectives, self.group))
+        return sharded
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """What this rank stores of the trainable model, and what its optimizer steps."""
+        return [unit.shard for unit in self.forward_order]
+
+    def _before_forward(self, unit: ShardedUnit, module, args) -> None:
+        unit.gather()
+        self._prefetch_after(unit, self.forward_order)
+
+    def _after_forward(self, unit: ShardedUnit, module, args, output) -> None:
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        if not (torch.is_grad_enabled() and needs_grad):
+            unit.free()  # evaluation: no backward will need these parameters
+            return
+        for t in needs_grad:
+            t.register_hook(partial(self._before_backward, unit))
+        # The root's parameters are the first backward needs: freeing them would gather them straight back.
+        if self.reshard_after_forward and unit is not self.root:
+            unit.free()
+
+    def _before_backward(self, unit: ShardedUnit, grad: torch.Tensor) -> None:
+        """The gradient of the unit's output has arrived: the unit's own backward runs next."""
+        unit.gather()
+        self._prefetch_after(unit, self.backward_order)
+
+    def _prefetch_after(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
+        """Start the all-gather of the unit that ``order`` runs next, to overlap this one's compute."""
+        following = order[order.index(unit) + 1 :]
+        if self.prefetch and following:
+            following[0].gather(async_op=True)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        self._on_first_gradient()  # finish_gradient_sync runs once this backward ends
+        self.unit_of[param].gradient_ready(param, sync=self.require_sync)
+
+    def finish_gradient_sync(self) -> None:
+        """After each backward: free whatever is still gathered, and refuse a unit left
+        half-reduced (some of its parameters took no part in the loss)."""
+        missing = [p for p in [unit.end_backward() for unit in self.forward_order] if p is not None]
+        if missing:
+            name = next((n for n, p in self.module.named_parameters() if p is missing[0]), "?")
+            raise DistlabError(
+                f"zero3: parameter {name!r} got no gradient in this backward, so its unit's gradients were never "
+                "reduce-scattered: every trainable parameter must take part in the loss "
+                "(freeze unused ones with requires_grad_(False))"
+            )
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The plain module's state dict, whole and on the CPU (with ``rank0_only``: on rank 0,
+        ``{}`` elsewhere). Gathers one unit at a time: a collective, every rank must call it."""
+        keep = not rank0_only or dist.get_rank(self.group) == 0
+        copies = {}
+        for unit in self.forward_order:  # one unit whole at a time
+            unit.gather()
+            if keep:
+                copies.update({id(p): p.detach().cpu().clone() for p in unit.layout.params})
+            unit.free()
+        if not keep:
+            return {}
+        tensors = self.module.state_dict(keep_vars=True)  # frozen parameters and buffers are whole already
+        return {key: copies[id(t)] if id(t) in copies else t.detach().cpu().clone() for key, t in tensors.items()}
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors a module returned: one, or a tuple or list of them."""
+    items = output if isinstance(output, (tuple, list)) else [output]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+class Zero3(Strategy):
+    """ZeRO-3: parameters, gradients and optimizer state all sharded (:class:`ShardedParameters`).
+
+    ``reshard_after_forward``: free gathered parameters after forward (FULL_SHARD)
+    or keep them until backward (SHARD_GRAD_OP). ``prefetch``: all-gather the
+    next unit while this one computes. ``collectives``: ``"torch"``'s equal-shard
+    all-gather and reduce-scatter, the course's hand-written ``"ring"``, or
+    ``"auto"``: the ring on gloo, whose reduce-scatter runs a whole all-reduce
+    underneath, and torch's elsewhere (NCCL's reduce-scatter is a real one).
+    """
+
+    name: ClassVar[str] = "zero3"
+    shards_parameters: ClassVar[bool] = True
+
+    def __init__(self, reshard_after_forward: bool = True, prefetch: bool = False, collectives: str = "auto"):
+        if collectives not in {"auto", *COLLECTIVES}:
+            raise DistlabError(f"zero3: unknown collectives {collectives!r}: use auto, {' or '.join(COLLECTIVES)}")
+        self.reshard_after_forward, self.prefetch, self.collectives = reshard_after_forward, prefetch, collectives
+
+    @classmethod
+    def from_config(cls, parallel):
+        return cls(parallel.fsdp_reshard_after_forward, parallel.zero3_prefetch, parallel.zero_collectives)
+
+    def wrap(self, model, runtime):
+        units = require_shard_units(model, self.name)
+        if any(p.is_meta for p in model.parameters()):
+            raise DistlabError(
+                "zero3 shards a model each rank has built whole, but this one is on the meta device "
+                "(the loop builds models of 50M parameters or more there): use --strategy fsdp for models this large"
+            )
+        collectives = self.collectives
+        if collectives == "auto":
+            collectives = "ring" if runtime.backend == "gloo" else "torch"
+        return ShardedParameters(model, units, self.reshard_after_forward, self.prefetch, collectives)
+
+    def no_sync(self, model):
+        return model.no_sync()
+
+    def make_optimizer(self, model, factory):
+        return factory(model.shard_parameters())
+
+    def state_tensors(self, model, optimizer):
+        shards = model.shard_parameters()
+        frozen = [p for p in model.module.parameters() if not p.requires_grad]  # whole on every rank
+        return {
+            "parameters": _unique(shards + frozen),
+            "gradients": [t.grad for t in shards + model.params if t.grad is not None],  # slices, whole under no_sync
+            "optimizer_state": _state_values(optimizer.state),
+            "gathered": [unit.full for unit in model.forward_order if unit.is_gathered],
+        }
+
+    def grad_scaler(self, enabled, device):
+        if enabled:
+            # A scaler checks the gradients for inf on each rank alone, and each rank sees only its slice.
+            raise DistlabError(
+                "--precision fp16 needs a gradient scaler, which zero3 does not support yet: use bf16 or fp32"
+            )
+        return super().grad_scaler(enabled, device)
