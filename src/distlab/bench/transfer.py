@@ -4,25 +4,36 @@ DataLoader end to end.
 
     torchrun --standalone --nproc_per_node=2 -m distlab.bench.transfer --sizes 4KB:1GB --out results
 
-Every rank measures its own GPU; rank 0 writes one result file holding
-every rank's measurements. Everything here needs CUDA: on a machine without
-a GPU each entry point stops with one sentence saying so.
+Every rank measures its own GPU, **one rank after the other**: the others
+wait at a barrier, so no two ranks share the host's memory bandwidth or the
+PCIe root while one is timed. The host-side costs (:mod:`distlab.bench.host`)
+are measured once, by rank 0, before any GPU work. The DataLoader comparison
+trains with DDP, so there all ranks run together. Rank 0 writes one result
+file holding every rank's measurements. Everything here needs CUDA: on a
+machine without a GPU each entry point stops with one sentence saying so.
 
 Timing conventions: CUDA events bracket the copy on its stream (the time the
 DMA engine took); ``host_blocked_s`` is how long the Python call itself
 blocked, which is what ``non_blocking=True`` changes. Warm-ups first, then
-the median and quartiles of the repetitions.
+the median and quartiles of the repetitions; variants compared end to end
+take turns (round-robin), so a machine that warms up or slows down affects
+them alike.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..cli import ResultConfig, finish_run, option, parse
-from ..runtime import DistlabError, distributed, gather_per_rank, run_main
+from ..runtime import DistlabError, Runtime, distributed, gather_per_rank, run_main
+from . import host
 from .harness import parse_sizes, summarize_times
 
 MODES = ("pageable", "pageable+non_blocking", "pinned", "pinned+non_blocking")
@@ -89,18 +100,45 @@ def copy_bandwidth(
     return rows
 
 
-def pinning_cost(sizes: list[int], repeats: int = 3) -> list[dict]:
-    """What pinning itself costs: ``tensor.pin_memory()`` (allocate page-locked
-    memory and copy into it) against an ordinary copy of the same tensor."""
+def empty_host_cache() -> bool:
+    """Give the caching host allocator's free pinned blocks back to the driver, so the next
+    ``pin_memory()`` allocates fresh page-locked memory; False where this torch cannot."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
+
+
+def pinning_cost(sizes: list[int], repeats: int = 5) -> list[dict]:
+    """What ``tensor.pin_memory()`` costs, first call apart from the cached path.
+
+    ``pin_memory()`` allocates through PyTorch's caching host allocator. The
+    *first call* for a size finds no free pinned block: the driver allocates
+    and page-locks new memory, then the data is copied in. Freed blocks go
+    back to the cache, so later calls of the same size only copy (the
+    *cached* path). The cache is emptied before every first call where torch
+    allows it; elsewhere each size's first call is timed once, sizes in
+    increasing order so no cached block is large enough to serve it. A
+    pageable ``clone()`` of the same tensor is the copy alone, for comparison.
+    """
     require_cuda("measuring the cost of pinning")
+    torch.empty(1, pin_memory=True)  # the CUDA context and the allocator exist before anything is timed
+    emptiable = empty_host_cache()
     rows = []
-    for size in sizes:
+    for size in sorted(sizes):
         source = _host_buffer(size, pinned=False)
-        pin, clone = [], []
-        for _ in range(repeats):
+        first, cached, clone = [], [], []
+        for _ in range(repeats if emptiable else 1):
+            empty_host_cache()
             started = time.perf_counter()
             pinned = source.pin_memory()
-            pin.append(time.perf_counter() - started)
+            first.append(time.perf_counter() - started)
+            del pinned
+        for _ in range(repeats):
+            started = time.perf_counter()
+            pinned = source.pin_memory()  # the block freed just before is reused
+            cached.append(time.perf_counter() - started)
             del pinned
             started = time.perf_counter()
             copied = source.clone()
@@ -109,30 +147,44 @@ def pinning_cost(sizes: list[int], repeats: int = 3) -> list[dict]:
         rows.append(
             {
                 "bytes": size,
-                "pin_memory_s": summarize_times(pin)["time_s"],
+                "first_pin_memory_s": summarize_times(first)["time_s"],
+                "first_calls": len(first),
+                "cache_emptied": emptiable,
+                "cached_pin_memory": summarize_times(cached),
+                "cached_pin_memory_s": summarize_times(cached)["time_s"],
                 "pageable_clone_s": summarize_times(clone)["time_s"],
             }
         )
+        del source
+    empty_host_cache()
     return rows
 
 
 def pinned_loader_cost(
-    batches: int = 30, batch_size: int = 128, image_shape=(3, 224, 224), num_workers: int = 2
+    batches: int = 30, batch_size: int = 128, image_shape=(3, 224, 224), num_workers: int = 2, repeats: int = 3
 ) -> dict:
     """Seconds per batch to iterate a DataLoader with ``pin_memory`` off and on,
-    copying nothing to the GPU: what the pinning thread itself costs (or hides)."""
+    copying nothing to the GPU: what the pinning thread itself costs (or hides).
+    One untimed pass of each first, then the two take turns ``repeats`` times."""
     require_cuda("measuring a pinned DataLoader")
     from torch.utils.data import DataLoader, TensorDataset
 
     data = TensorDataset(torch.randint(0, 255, (batch_size * batches, *image_shape), dtype=torch.uint8))
-    seconds = {}
-    for pin in (False, True):
+
+    def run(name: str) -> float:
+        pin = name == "pinned"
         loader = DataLoader(data, batch_size=batch_size, num_workers=num_workers, pin_memory=pin)
         started = time.perf_counter()
         for (batch,) in loader:
             assert batch.is_pinned() == pin
-        seconds["pinned" if pin else "pageable"] = (time.perf_counter() - started) / batches
-    return {"batch_bytes": batch_size * int(torch.tensor(image_shape).prod()), "seconds_per_batch": seconds}
+        return (time.perf_counter() - started) / batches
+
+    seconds = take_turns(["pageable", "pinned"], run, repeats=repeats, warmup=1)
+    return {
+        "batch_bytes": batch_size * int(torch.tensor(image_shape).prod()),
+        "seconds_per_batch": {name: summarize_times(times)["time_s"] for name, times in seconds.items()},
+        "repeats": repeats,
+    }
 
 
 def non_blocking_read_hazard(numel: int = 1 << 26) -> dict:
@@ -245,82 +297,174 @@ def overlap_experiment(
     }
 
 
+def take_turns(
+    names: list[str], run: Callable[[str], float], repeats: int, warmup: int = 1, warmup_run=None
+) -> dict[str, list[float]]:
+    """Call ``run(name)`` for every name in turn, ``warmup`` untimed rounds (with
+    ``warmup_run`` if given) and then ``repeats`` rounds; each name's results in order."""
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + repeats):
+        for name in names:
+            if round_ < warmup:
+                (warmup_run or run)(name)
+            else:
+                results[name].append(run(name))
+    return results
+
+
+LOADER_VARIANTS = {
+    "pin_memory off, non_blocking off": dict(pin_memory=False, non_blocking=False),
+    "pin_memory off, non_blocking on": dict(pin_memory=False, non_blocking=True),
+    "pin_memory on, non_blocking off": dict(pin_memory=True, non_blocking=False),
+    "pin_memory on, non_blocking on": dict(pin_memory=True, non_blocking=True),
+    "device-resident": dict(loader="device"),
+}
+
+
 def loader_end_to_end(
-    runtime, epochs: int = 1, batch_size: int = 128, max_steps: int = 0, synthetic_size: int = 60000
+    runtime,
+    epochs: int = 1,
+    batch_size: int = 128,
+    max_steps: int = 0,
+    synthetic_size: int = 60000,
+    repeats: int = 3,
+    warmup_steps: int = 20,
 ) -> list[dict]:
-    """Train the course CNN with each input pipeline, one after another on
-    the same GPU(s): pin_memory and non_blocking on and off, and the
-    device-resident loader. Returns samples/s per variant."""
+    """Train the course CNN with each input pipeline on the same GPU(s):
+    pin_memory and non_blocking on and off, and the device-resident loader.
+
+    A warm-up round first (``warmup_steps`` steps of every variant, untimed:
+    lazy CUDA loading, cuDNN, the allocator, worker start-up), then
+    ``repeats`` rounds in which the variants take turns. Returns the median
+    samples/s per variant with its quartiles."""
     require_cuda("the DataLoader end-to-end comparison")
     from ..config import TrainConfig
     from ..train import train
 
-    variants = {
-        "pin_memory off, non_blocking off": dict(pin_memory=False, non_blocking=False),
-        "pin_memory off, non_blocking on": dict(pin_memory=False, non_blocking=True),
-        "pin_memory on, non_blocking off": dict(pin_memory=True, non_blocking=False),
-        "pin_memory on, non_blocking on": dict(pin_memory=True, non_blocking=True),
-        "device-resident": dict(loader="device"),
-    }
-    rows = []
-    for name, options in variants.items():
-        cfg = TrainConfig.from_flags(
+    def config(name: str, steps: int) -> TrainConfig:
+        return TrainConfig.from_flags(
             strategy="ddp",
             model="cnn",
             dataset="synthetic",
             device="cuda",
             epochs=epochs,
             batch_size=batch_size,
-            max_steps=max_steps,
+            max_steps=steps,
             synthetic_size=synthetic_size,
             num_workers=2,
             log_every=-1,
-            **options,
+            **LOADER_VARIANTS[name],
         )
-        history = train(cfg, runtime).history
+
+    epochs_seen: dict[str, list[dict]] = {name: [] for name in LOADER_VARIANTS}
+
+    def run(name: str) -> float:
+        record = train(config(name, max_steps), runtime).history[-1]
+        epochs_seen[name].append(record)
+        return record["samples_per_s"]
+
+    warm = lambda name: train(config(name, warmup_steps), runtime)
+    rates = take_turns(list(LOADER_VARIANTS), run, repeats=repeats, warmup=1, warmup_run=warm)
+    rows = []
+    for name, samples in rates.items():
+        stats = summarize_times(samples)  # quartiles of a list of numbers: here samples/s
         rows.append(
             {
                 "variant": name,
-                "samples_per_s": history[-1]["samples_per_s"],
-                "epoch_time_s": history[-1]["epoch_time_s"],
-                "data_wait_s": history[-1]["data_wait_s"],
-                "config": cfg.to_dict(),
+                "samples_per_s": stats["time_s"],
+                "samples_per_s_q1": stats["time_q1_s"],
+                "samples_per_s_q3": stats["time_q3_s"],
+                "samples_per_s_runs": samples,
+                "epoch_time_s": summarize_times([r["epoch_time_s"] for r in epochs_seen[name]])["time_s"],
+                "data_wait_s": summarize_times([r["data_wait_s"] for r in epochs_seen[name]])["time_s"],
+                "repeats": repeats,
+                "config": config(name, max_steps).to_dict(),
             }
         )
-        runtime.log(f"  {name:<34} {rows[-1]['samples_per_s']:>10,.0f} samples/s")
+        runtime.log(f"  {name:<34} {rows[-1]['samples_per_s']:>10,.0f} samples/s (median of {repeats})")
     return rows
+
+
+def one_rank_at_a_time(runtime: Runtime, measure: Callable[[], dict], group=None) -> dict:
+    """Run ``measure()`` on each rank in turn while the others wait at a barrier,
+    so a measurement never shares the host or the PCIe root with another rank's.
+    ``group``: the process group to wait in (a gloo group waits on the CPU, with no
+    kernel polling on the waiting ranks' GPUs)."""
+    mine: dict = {}
+    for turn in range(runtime.world_size):
+        if turn == runtime.rank:
+            mine = measure()
+        if runtime.world_size > 1:
+            dist.barrier(group=group)
+    return mine
+
+
+def pcie_link(index: int = 0) -> dict | None:
+    """The PCIe generation and width the driver reports for GPU ``index`` (current and
+    maximum), from ``nvidia-smi``; None where it cannot say."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = "pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--id={index}", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        gen, gen_max, width, width_max = (int(v) for v in out.stdout.strip().split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return {"gen": gen, "gen_max": gen_max, "width": width, "width_max": width_max}
 
 
 @dataclass
 class TransferBenchConfig(ResultConfig):
-    """Measure host-device copies on every rank's GPU and write one result JSON."""
+    """Measure host-device copies on every rank's GPU, one rank at a time, and write one result JSON."""
 
     sizes: str = option("4KB:1GB", "comma list or a range in powers of 4 (4KB:1GB)")
     repeats: int = option(10, "timed copies per size and mode")
     loader_epochs: int = option(1, "epochs per input-pipeline variant (0 skips the DataLoader comparison)")
+    loader_repeats: int = option(3, "rounds of the DataLoader comparison, the variants taking turns in each")
+
+
+def measure_gpu(sizes: list[int], repeats: int, device: torch.device) -> dict:
+    """Everything one rank measures on its own GPU."""
+    require_cuda("distlab.bench.transfer")
+    index = device.index or 0
+    mine = {"gpu": torch.cuda.get_device_name(device), "pcie_link": pcie_link(index)}
+    mine["bandwidth"] = copy_bandwidth(sizes, repeats=repeats)
+    mine["pinning_cost"] = pinning_cost([s for s in sizes if s >= 1 << 20])
+    mine["pinned_loader"] = pinned_loader_cost()
+    mine["non_blocking_hazard"] = non_blocking_read_hazard()
+    mine["overlap"] = overlap_experiment()
+    return mine
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(TransferBenchConfig, argv)
     sizes = parse_sizes(cfg.sizes)
     require_cuda("distlab.bench.transfer")
-    with distributed("cuda") as runtime:
+    with distributed("cuda", timeout_s=3600) as runtime:  # ranks wait while the others measure
         runtime.log(
             f"distlab.bench.transfer: {len(sizes)} sizes on {runtime.describe()}, "
             f"{torch.cuda.get_device_name(runtime.device)}"
         )
-        mine = {"rank": runtime.rank, "gpu": torch.cuda.get_device_name(runtime.device)}
-        mine["bandwidth"] = copy_bandwidth(sizes, repeats=cfg.repeats)
-        runtime.log("  bandwidth done")
-        mine["pinning_cost"] = pinning_cost([s for s in sizes if s >= 1 << 20])
-        mine["pinned_loader"] = pinned_loader_cost()
-        mine["non_blocking_hazard"] = non_blocking_read_hazard()
-        mine["overlap"] = overlap_experiment()
+        host_side = None
+        if runtime.is_main:  # the host is shared: measured once, before any rank touches its GPU
+            host_side = host.measure_host([64 << 20], [2 << 20])
+        turns = dist.new_group(backend="gloo") if runtime.world_size > 1 else None  # waiting ranks idle on the CPU
+        measure = lambda: measure_gpu(sizes, cfg.repeats, runtime.device)
+        mine = {"rank": runtime.rank, **one_rank_at_a_time(runtime, measure, group=turns)}
         runtime.log(
-            f"  overlap: serial {mine['overlap']['serial_s'] * 1e3:.1f} ms, overlapped "
+            f"  overlap (rank 0): serial {mine['overlap']['serial_s'] * 1e3:.1f} ms, overlapped "
             f"{mine['overlap']['overlapped_s'] * 1e3:.1f} ms"
         )
-        loader = loader_end_to_end(runtime, epochs=cfg.loader_epochs) if cfg.loader_epochs > 0 else []
+        loader = (
+            loader_end_to_end(runtime, epochs=cfg.loader_epochs, repeats=cfg.loader_repeats)
+            if cfg.loader_epochs > 0
+            else []
+        )
         ranks = gather_per_rank(mine, runtime)
         name = cfg.output.name or f"transfer-{runtime.world_size}x{mine['gpu'].replace(' ', '-')}"
         finish_run(
@@ -329,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             name,
             "transfer",
             {**asdict(cfg), "sizes": sizes},
-            {"ranks": ranks, "loader": loader},
+            {"ranks": ranks, "loader": loader, "host": host_side},
         )
 
 
