@@ -278,3 +278,30 @@ def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
     )
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [_error_line(done)], done.stderr[-2000:]
     assert "--seq-len" in done.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy):
+    from distlab.memory import expected_state_bytes, shard_unit_shapes
+    from distlab.models import build_model
+
+    args = [
+        "--model",
+        "gpt-tiny",
+        "--batch-size",
+        "8",
+        "--synthetic-size",
+        "256",
+        "--max-steps",
+        "3",
+        "--num-workers",
+        "0",
+    ]
+    run = run_torchrun(2, "distlab.train", "--strategy", strategy, "--device", "cpu", *args, "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = read_result(tmp_path / f"{strategy}-gpt-tiny-synthetic-2xcpu.json")["metrics"]
+    units = shard_unit_shapes(build_model("gpt-tiny"))
+    for rank, measured in enumerate(metrics["memory"]["ranks"]):
+        expected = expected_state_bytes(metrics["parameters"], strategy, 2, units=units, rank=rank)
+        assert {key: measured[key] for key in expected} == expected
+        assert measured["peak"] >= sum(expected.values())

@@ -9,18 +9,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab.memory import shard_unit_shapes
 from distlab.models import build_model
-from distlab.parallel import STRATEGIES
+from distlab.parallel import BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2, Zero3
 from distlab.testing import run_ranks
 from distlab.traffic import TrafficCounter, expected_bytes_per_step
 
-STRATEGY_NAMES = ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "zero2"]
+VARIANTS = {
+    "ddp": TorchDDP(),
+    "naive_ddp": NaiveDDPStrategy(),
+    "bucketed_ddp": BucketedDDPStrategy(),
+    "zero1": Zero1(),
+    "zero2": Zero2(),
+    "zero3": Zero3(collectives="torch"),
+    "zero3_ring": Zero3(collectives="ring"),  # the same bytes, sent as the ring's point-to-point messages
+}
 
 
-def one_step_counted(runtime, names):
+def one_step_counted(runtime):
     sent = {}
-    for name in names:
-        strategy = STRATEGIES[name]()
+    for name, strategy in VARIANTS.items():
         with torch.random.fork_rng():
             torch.manual_seed(0)
             model = strategy.wrap(build_model("gpt-tiny"), runtime)
@@ -39,21 +47,36 @@ def _padded(parameters: int, n: int) -> int:
     return -(-parameters // n) * n
 
 
+def _expected(strategy: str, n: int) -> float:
+    """The derivation, for the values each strategy's collectives move: its flat buffers are
+    padded to a multiple of n (one for zero1/zero2, one per shard unit for zero3, whose
+    root unit, last in the list, is gathered once); DDP's buckets are not padded."""
+    model = build_model("gpt-tiny")
+    if strategy.startswith("zero3"):
+        units = [_padded(sum(shape.numel() for shape in unit), n) for unit in shard_unit_shapes(model)]
+        return expected_bytes_per_step("zero3", sum(units), n, gathered_once=units[-1])
+    parameters = sum(p.numel() for p in model.parameters())  # the tied head counts once
+    return expected_bytes_per_step(strategy, _padded(parameters, n) if strategy.startswith("zero") else parameters, n)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bytes_sent_per_step_equal_the_derivation(tmp_path, world_size):
-    parameters = sum(p.numel() for p in build_model("gpt-tiny").parameters())  # the tied head counts once
-    ranks = run_ranks(one_step_counted, world_size, tmp_path, STRATEGY_NAMES)
+    ranks = run_ranks(one_step_counted, world_size, tmp_path)
     for sent in ranks:
-        for name in STRATEGY_NAMES:
+        for name in VARIANTS:
             # torch DDP also broadcasts a few bytes of bookkeeping in every forward: counted, not gradients
             bookkeeping = sent[name].pop("broadcast", {"bytes_sent": 0})["bytes_sent"]
             assert bookkeeping < 1024, (name, bookkeeping)
             total = sum(entry["bytes_sent"] for entry in sent[name].values())
-            # the flat buffers of ZeRO are padded to a multiple of n; DDP's buckets are not
-            psi = _padded(parameters, world_size) if name.startswith("zero") else parameters
-            assert total == pytest.approx(expected_bytes_per_step(name, psi, world_size), rel=1e-9), (name, sent[name])
-    zero1, zero2 = ranks[0]["zero1"], ranks[0]["zero2"]
-    assert set(zero1) == {"all_reduce", "all_gather"} and set(zero2) == {"reduce_scatter", "all_gather"}
+            assert total == pytest.approx(_expected(name, world_size), rel=1e-9), (name, sent[name])
+    zero1, zero2, zero3 = ranks[0]["zero1"], ranks[0]["zero2"], ranks[0]["zero3"]
+    assert set(zero1) == {"all_reduce", "all_gather"} and set(zero2) == set(zero3) == {"reduce_scatter", "all_gather"}
+    # ZeRO-3 gathers every unit twice (forward, backward) but the root once, and reduce-scatters each once
+    assert (
+        zero3["reduce_scatter"]["bytes_sent"]
+        < zero3["all_gather"]["bytes_sent"]
+        < 2 * zero3["reduce_scatter"]["bytes_sent"]
+    )
 
 
 def count_each_collective(runtime):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +29,17 @@ from .checks import DataOrderCheck
 from .cli import finish_run, parse
 from .config import TrainConfig
 from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
+from .memory import MemoryTracker, state_bytes
 from .models import GPT_PRESETS, build_model, count_parameters, materialize, model_input_kind
 from .parallel import Strategy, make_strategy
-from .runtime import LOW_PRECISION, DistlabError, Runtime, distributed, run_main, synchronize
+from .runtime import LOW_PRECISION, DistlabError, Runtime, distributed, gather_per_rank, run_main, synchronize
 
 # Above this many parameters a sharding strategy builds the model on the meta
 # device and materialises only each rank's shards.
 META_INIT_FROM_PARAMETERS = 50_000_000
+# The optimizer step whose memory is measured: the second, since the first
+# also creates the optimizer's state and DDP's buckets.
+OBSERVED_STEP = 1
 
 
 @dataclass
@@ -50,6 +54,8 @@ class TrainState:
     """One record per finished epoch."""
     step_times_s: list[float] = field(default_factory=list)
     """Wall time of every optimizer step, this rank's."""
+    memory: dict[str, Any] = field(default_factory=dict)
+    """This rank's memory over one optimizer step (:func:`observed_step`)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +64,7 @@ class TrainState:
             "global_step": self.global_step,
             "history": self.history,
             "step_times_s": self.step_times_s,
+            "memory": self.memory,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
@@ -65,6 +72,7 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.history, self.step_times_s = list(state["history"]), list(state["step_times_s"])
+        self.memory = dict(state.get("memory", {}))
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -257,6 +265,27 @@ def train_step(run: Run, batches: Iterator, sums: MetricSums) -> torch.Tensor:
     return step_loss
 
 
+@contextmanager
+def observed_step(run: Run) -> Iterator[dict[str, Any]]:
+    """Measure this rank's memory over the optimizer step run inside: the peak and
+    what it was made of, and the parameters, gradients and optimizer state held
+    at the moment the optimizer steps (storage bytes; on CUDA also the allocator's peak)."""
+    report: dict[str, Any] = {}
+
+    def at_optimizer_step(*_) -> None:
+        report.update(state_bytes(run.strategy, run.model, run.optimizer))
+
+    handle = run.optimizer.register_step_pre_hook(at_optimizer_step)
+    try:
+        with MemoryTracker(lambda: run.strategy.state_tensors(run.model, run.optimizer), run.model) as tracker:
+            yield report
+    finally:
+        handle.remove()
+    report.update(peak=tracker.peak_bytes, peak_by_category=tracker.peak_by_category)
+    if tracker.cuda_max_allocated is not None:
+        report["cuda_max_allocated"] = tracker.cuda_max_allocated
+
+
 class EpochBatches:
     """One epoch of the loader's batches: skips those a resumed run already
     trained on, times the waits, and shows the first to ``on_first``."""
@@ -296,9 +325,13 @@ def train_epoch(run: Run, state: TrainState, data_check: DataOrderCheck) -> dict
 
     batches = EpochBatches(run.loader, skip=first * cfg.training.accum_steps, on_first=check_order)
     start = time.perf_counter()
+    observe = min(OBSERVED_STEP, steps * cfg.training.epochs - 1)
     for step in range(first, steps):
         started = time.perf_counter()
-        step_losses[step] = train_step(run, batches, sums)
+        with observed_step(run) if state.global_step == observe else nullcontext() as memory:
+            step_losses[step] = train_step(run, batches, sums)
+        if memory is not None:
+            state.memory = memory
         # No synchronize here: on a GPU the host runs a step or two ahead, which is what lets
         # non_blocking copies overlap; in steady state the host's step time is the GPU's.
         state.step_times_s.append(time.perf_counter() - started)
@@ -377,7 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         result = train(cfg, runtime)
         total_time = time.perf_counter() - started
+        memory = gather_per_rank(result.state.memory, runtime)
         metrics = {
+            "memory": {"ranks": memory},
             "epochs": result.history,
             "total_time_s": total_time,
             "parameters": result.parameters,

@@ -6,8 +6,9 @@ gradient synchronisation and the optimizer's step, as the training loop runs the
 Every variant is built through the strategy registry from the same seed and
 trains on the same batches; the variants take turns within each repetition
 (round-robin), and a step's time is its slowest rank's. After the timing,
-one more step of each variant is counted: the bytes each rank sends, by
-collective (:mod:`distlab.traffic`).
+one more step of each variant is observed: the bytes each rank sends, by
+collective (:mod:`distlab.traffic`), and every byte it holds, by what it is,
+with a timeline (:mod:`distlab.memory`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch.nn.functional as F
 from ..cli import BenchConfig, finish_run, option, parse
 from ..config import ParallelConfig
 from ..data import SyntheticTokens
+from ..memory import MemoryTracker, state_bytes
 from ..models import GPT_PRESETS, build_model, count_parameters
 from ..parallel import make_strategy
-from ..runtime import DistlabError, distributed, run_main
+from ..runtime import DistlabError, distributed, gather_per_rank, run_main
 from ..traffic import TrafficCounter
 from .harness import round_robin, summarize_times
 
@@ -67,6 +69,22 @@ class Trainee:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def observe_memory(trainee: Trainee, tokens, targets, runtime) -> list[dict] | None:
+    """One step of ``trainee`` under the memory tracker: every rank's peak, its
+    breakdown and timeline, and the state at the optimizer step; on rank 0."""
+    at_step = {}
+    handle = trainee.optimizer.register_step_pre_hook(
+        lambda *_: at_step.update(state_bytes(trainee.strategy, trainee.model, trainee.optimizer))
+    )
+    categories = lambda: trainee.strategy.state_tensors(trainee.model, trainee.optimizer)  # noqa: E731
+    with MemoryTracker(categories, trainee.model) as tracker:
+        trainee.step(tokens, targets)
+    handle.remove()
+    timeline = [{"event": s.event, "phase": s.phase, "total": s.total, **s.by_category} for s in tracker.timeline]
+    mine = {**at_step, "peak": tracker.peak_bytes, "peak_by_category": tracker.peak_by_category, "timeline": timeline}
+    return gather_per_rank(mine, runtime)
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(StepBenchConfig, argv)
     names = [name for name in cfg.strategies.split(",") if name]
@@ -84,10 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         times = round_robin(steps, runtime, cfg.steps, cfg.warmup)
         rows = []
         for name, trainee in trainees.items():
+            memory = observe_memory(trainee, tokens, targets, runtime)
             with TrafficCounter(runtime.world_size) as counted:
                 trainee.step(tokens, targets)
             stats = summarize_times(times[name])
-            rows.append({"strategy": name, **stats, "times_s": times[name], "traffic": counted.summary()})
+            row = {"strategy": name, **stats, "times_s": times[name], "traffic": counted.summary()}
+            rows.append({**row, "memory": {"ranks": memory}})
             sent = counted.total_bytes / 2**20
             runtime.log(f"  {name:<8} median {1e3 * stats['time_s']:8.1f} ms, sends {sent:7.1f} MiB/step")
         metrics = {"variants": rows, "parameters": parameters}

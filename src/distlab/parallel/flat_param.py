@@ -58,6 +58,11 @@ def all_gather_flat(shard: torch.Tensor, padded_numel: int, group=None) -> torch
     return out
 
 
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group=None) -> None:
+    """Every rank's equal shard into ``out``, in rank order (``shard`` must not live inside ``out``)."""
+    _single_tensor_collectives()[0](out, shard.contiguous(), group=group)
+
+
 def reduce_scatter_flat(flat: torch.Tensor, shard_numel: int, group=None) -> torch.Tensor:
     """The sum over ranks of this rank's slice of ``flat`` (equal slices in rank order)."""
     out = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)

@@ -38,7 +38,7 @@ from ..collectives import ring_all_gather, ring_reduce_scatter
 from ..models import require_shard_units
 from ..runtime import DistlabError
 from .base import Strategy, _state_values, _unique
-from .flat_param import FlatParams, _single_tensor_collectives, reduce_scatter_flat
+from .flat_param import FlatParams, _single_tensor_collectives, clip_sharded_grad_norm_, reduce_scatter_flat
 from .mini_ddp import DataParallelWrapper
 
 
@@ -314,6 +314,10 @@ class Zero3(Strategy):
 
     def make_optimizer(self, model, factory):
         return factory(model.shard_parameters())
+
+    def clip_grad_norm_(self, model, max_norm):
+        shards = [shard.grad for shard in model.shard_parameters() if shard.grad is not None]
+        return clip_sharded_grad_norm_(shards, max_norm, model.group)
 
     def state_tensors(self, model, optimizer):
         shards = model.shard_parameters()

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..runtime import DistlabError
 from .base import OptimizerFactory, _state_values
-from .flat_param import FlatParams, all_gather_flat, clip_sharded_grad_norm_, reduce_scatter_flat
+from .flat_param import FlatParams, all_gather_into, clip_sharded_grad_norm_, reduce_scatter_flat
 from .mini_ddp import BucketedDDP, DataParallelWrapper, _unused_parameter_message
 from .replicated import Replicated
 
@@ -33,7 +33,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Step ``factory``'s optimizer on this rank's slice of the flat parameters,
     then all-gather the slices into every rank's parameters.
 
-    Its ``param_groups`` are the model's parameters (so ``zero_grad`` and a
+    The model's parameters become views of one flat buffer, and the slice the
+    inner optimizer steps is a view of that buffer too: stepping it updates
+    this rank's part of the model in place, with no second copy. Its
+    ``param_groups`` are the model's parameters (so ``zero_grad`` and a
     gradient scaler see the gradients the loop produced); the inner optimizer
     holds state for the slice alone. ``gradient_shard`` (ZeRO-2) returns the
     already reduced slice of the gradient; without it (ZeRO-1) the slice is
@@ -44,8 +47,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params = [p for p in params if p.requires_grad]
         self.group, self.gradient_shard = group, gradient_shard
         self.flat = FlatParams(params, dist.get_world_size(group), dist.get_rank(group))
-        master = self.flat.flatten([p.detach() for p in params])[self.flat.shard].clone()
-        self.shard = nn.Parameter(master)
+        self.buffer = self.flat.flatten([p.detach() for p in params])
+        for param, view in zip(params, self.flat.views(self.buffer)):
+            param.data = view
+        self.shard = nn.Parameter(self.buffer[self.flat.shard])
         self.inner = factory([self.shard])
         super().__init__(params, defaults={})
 
@@ -58,9 +63,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.shard.grad = self.flat.flatten([p.grad for p in self.flat.params])[self.flat.shard].clone()
         self.inner.step()
-        gathered = all_gather_flat(self.shard.detach(), self.flat.padded_numel, self.group)
-        for param, value in zip(self.flat.params, self.flat.views(gathered)):
-            param.copy_(value)
+        mine = self.shard.detach().clone()  # the all-gather writes into the buffer this slice lives in
+        all_gather_into(self.buffer, mine, self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Re-measure the results the book plots from book/results/, on this machine.
+#
+#   bash scripts/reproduce_results.sh            # everything (about 15 minutes on 2 cores)
+#   bash scripts/reproduce_results.sh ring step  # some of it
+#
+# Results carry the git commit they were measured at, so the tree must be
+# clean: commit first, measure, then commit the results. Keep other work off
+# the machine while it runs: the benchmarks time things side by side, but a
+# busy machine still adds noise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    echo "reproduce_results: the tree has uncommitted changes; commit them first so results name a real commit" >&2
+    exit 2
+fi
+
+run() {  # run RANKS MODULE ARGS...: torchrun on this machine's CPU with gloo, the cores shared among the ranks
+    local ranks=$1; shift
+    local threads=$(( $(nproc) / ranks ))
+    OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 )) \
+        python -m torch.distributed.run --standalone --nproc_per_node="$ranks" -m "$@" --device cpu
+}
+
+what=("$@")
+[ ${#what[@]} -eq 0 ] && what=(ring shard step)
+
+for item in "${what[@]}"; do
+    case "$item" in
+    ring)  # the ring all-reduce against gloo's, 4 KB to 256 MB, then three repeated runs at 16 and 64 MB
+        for n in 2 4; do
+            run "$n" distlab.bench.allreduce --sizes 4KB:256MB --out book/results/ring
+            for r in 1 2 3; do
+                run "$n" distlab.bench.allreduce --sizes 16MB,64MB --impls ring,torch --max-repeats 60 --min-repeats 30 \
+                    --out book/results/ring --name "acceptance-${n}xcpu-run$r"
+            done
+        done ;;
+    shard)  # reduce-scatter and all-gather, torch's and the ring's
+        for n in 2 4; do
+            run "$n" distlab.bench.shard_collectives --sizes 1MB:64MB --out book/results/zero
+        done ;;
+    step)  # one optimizer step of every strategy on gpt-mini, side by side
+        run 2 distlab.bench.step --model gpt-mini --strategies ddp,zero1,zero2,zero3,fsdp --steps 15 --out book/results/zero ;;
+    *)
+        echo "reproduce_results: unknown item $item (use ring, shard, step)" >&2
+        exit 2 ;;
+    esac
+done
