@@ -554,3 +554,96 @@ def plot_transfer_against_model(record: dict, rank: int = 0) -> tuple[list, str]
                 f"| {row['variant']} | {row['samples_per_s']:,.0f} | {row['samples_per_s'] / base:.2f}x | {guessed} |"
             )
     return figures, "\n".join(lines)
+
+
+MEMORY_COLORS = {
+    "parameters": "tab:blue",
+    "gradients": "tab:orange",
+    "optimizer_state": "tab:green",
+    "gathered": "tab:red",
+    "activations": "tab:purple",
+    "other": "tab:gray",
+}
+
+
+def _variant(record: dict, strategy: str) -> dict:
+    return next(row for row in record["metrics"]["variants"] if row["strategy"] == strategy)
+
+
+def plot_memory_timeline(record: dict, strategy: str, rank: int = 0, ax=None, title: str | None = None, legend=True):
+    """One observed optimizer step of ``strategy`` from a step-bench result: the bytes
+    this rank holds by category, stacked, at every sample of the tracker."""
+    ax = ax or plt.subplots(figsize=(7, 3.8))[1]
+    timeline = _variant(record, strategy)["memory"]["ranks"][rank]["timeline"]
+    stacks = [[sample[name] / 2**20 for sample in timeline] for name in MEMORY_COLORS]
+    labels = [name.replace("_", " ") for name in MEMORY_COLORS]
+    ax.stackplot(range(len(timeline)), stacks, labels=labels, colors=list(MEMORY_COLORS.values()), step="post")
+    for i, sample in enumerate(timeline):
+        starts_phase = i > 0 and sample["phase"] != timeline[i - 1]["phase"]
+        if starts_phase and sample["phase"] in ("forward", "backward", "optimizer"):
+            ax.axvline(i, color="black", lw=0.6, ls=":")
+            ax.text(i, 0.98, f" {sample['phase']}", fontsize=7, va="top", transform=ax.get_xaxis_transform())
+    n = record["environment"]["world_size"]
+    ax.set(xlabel="samples in order (every allocation peak and phase change)", ylabel="MiB held by this rank")
+    ax.set_title(title or f"{strategy}, rank {rank} of {n}", fontsize=9)
+    if legend:
+        ax.legend(fontsize=7, loc="center right")
+    return ax
+
+
+def plot_state_per_rank(records_by_ranks: dict, strategies: Sequence[str], predict, ax=None):
+    """Bytes of parameters + gradients + optimizer state per rank against the number of
+    ranks: measured (points, rank 0) and ``predict(strategy, n)`` (lines)."""
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
+    ranks = sorted(records_by_ranks)
+    for strategy, color in zip(strategies, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        measured = []
+        for n in ranks:
+            held = _variant(records_by_ranks[n], strategy)["memory"]["ranks"][0]
+            measured.append((held["parameters"] + held["gradients"] + held["optimizer_state"]) / 2**20)
+        predicted = [sum(predict(strategy, n).values()) / 2**20 for n in ranks]
+        ax.plot(ranks, predicted, "-", color=color, alpha=0.6)
+        ax.plot(ranks, measured, "o", color=color, label=strategy)
+    ax.set(xlabel="ranks", ylabel="MiB per rank (parameters + gradients + optimizer state)", xticks=ranks)
+    env = records_by_ranks[ranks[0]]["environment"]
+    ax.set_title(f"measured (points) and predicted (lines) - {hardware_label(env)}", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_shard_collectives(records: Sequence[dict], axes=None):
+    """Time of reduce-scatter and all-gather (torch's and the ring's) against all-reduce, by size."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(records), figsize=(5.5 * len(records), 3.8), squeeze=False, sharey=True)
+        axes = axes[0]
+    styles = {
+        ("all_reduce", "torch"): ("black", "s-"),
+        ("reduce_scatter", "torch"): ("tab:red", "o--"),
+        ("reduce_scatter", "ring"): ("tab:red", "o-"),
+        ("all_gather", "torch"): ("tab:blue", "^--"),
+        ("all_gather", "ring"): ("tab:blue", "^-"),
+    }
+    for ax, record in zip(axes, records):
+        for (collective, impl), (color, style) in styles.items():
+            rows = [r for r in record["metrics"] if r["collective"] == collective and r["impl"] == impl]
+            ax.plot(
+                [r["bytes"] for r in rows],
+                [1e3 * r["time_s"] for r in rows],
+                style,
+                color=color,
+                label=f"{collective} ({impl})",
+            )
+        env = record["environment"]
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="bytes of the full tensor",
+            title=f"{env['world_size']} ranks, {env['backend']}",
+        )
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("median time (ms)")
+    axes[0].legend(fontsize=7)
+    axes[0].figure.suptitle(_hardware_title(records), fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
