@@ -280,7 +280,7 @@ def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
     assert "--seq-len" in done.stderr
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy):
     from distlab.memory import expected_state_bytes, shard_unit_shapes
     from distlab.models import build_model

@@ -40,8 +40,18 @@ def _git_commit() -> str | None:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
         )
+        # Result files being written do not make the code that writes them dirty.
+        code_changes = [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ":(top)",
+            ":(top,exclude)book/results",
+        ]
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            code_changes,
             cwd=here,
             capture_output=True,
             text=True,
