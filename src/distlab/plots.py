@@ -83,6 +83,17 @@ LINE_STYLES = {
 }
 
 
+def _finish_panels(axes, records: Sequence[dict], ylabel: str):
+    """A row of panels, one per result file: grids, the shared y label and legend, the hardware."""
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize=7)
+    axes[0].figure.suptitle(_hardware_title(records), fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
+
+
 def plot_busbw(records: Sequence[dict], axes=None):
     """Bus bandwidth against message size, one panel per bench result file."""
     if axes is None:
@@ -94,12 +105,7 @@ def plot_busbw(records: Sequence[dict], axes=None):
             ax.plot([r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows], style, color=color, label=impl, ms=4)
         env = record["environment"]
         ax.set(xscale="log", xlabel="message size (bytes)", title=f"{env['world_size']} ranks, {env['backend']}")
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("bus bandwidth (GB/s)")
-    axes[0].legend(fontsize=8)
-    axes[0].figure.suptitle(_hardware_title(records), fontsize=9)
-    axes[0].figure.tight_layout()
-    return axes
+    return _finish_panels(axes, records, "bus bandwidth (GB/s)")
 
 
 def plot_time_model(record: dict, fit: dict, impl: str = "ring", ax=None):
@@ -641,9 +647,4 @@ def plot_shard_collectives(records: Sequence[dict], axes=None):
             xlabel="bytes of the full tensor",
             title=f"{env['world_size']} ranks, {env['backend']}",
         )
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("median time (ms)")
-    axes[0].legend(fontsize=7)
-    axes[0].figure.suptitle(_hardware_title(records), fontsize=9)
-    axes[0].figure.tight_layout()
-    return axes
+    return _finish_panels(axes, records, "median time (ms)")

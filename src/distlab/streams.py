@@ -306,16 +306,7 @@ class StreamModel:
         self._write(writes, label, work.end)
         return Call(issued, self.now, (work,))
 
-    def copy_h2d(
-        self,
-        label: str,
-        nbytes: int,
-        *,
-        pinned: bool,
-        non_blocking: bool,
-        stream: str = DEFAULT,
-        step: int | None = None,
-    ) -> Call:
+    def copy_h2d(self, label: str, nbytes: int, *, pinned: bool, non_blocking: bool, stream=DEFAULT, step=None) -> Call:
         """``device_tensor.copy_(host_tensor, non_blocking=...)`` from pinned or pageable memory."""
         m = self.inputs
         issued, lane = self.now, self.copy_lane("h2d")
@@ -338,15 +329,7 @@ class StreamModel:
         return Call(issued, self.now, tuple(work))
 
     def copy_d2h(
-        self,
-        label: str,
-        nbytes: int,
-        *,
-        pinned: bool,
-        non_blocking: bool,
-        stream: str = DEFAULT,
-        step: int | None = None,
-        into: str | None = None,
+        self, label: str, nbytes: int, *, pinned: bool, non_blocking: bool, stream=DEFAULT, step=None, into=None
     ) -> Call:
         """``host_tensor.copy_(device_tensor, non_blocking=...)``; ``into`` names the host buffer written."""
         m = self.inputs

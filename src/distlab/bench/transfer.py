@@ -312,13 +312,12 @@ def take_turns(
     return results
 
 
+_ON = {False: "off", True: "on"}
 LOADER_VARIANTS = {
-    "pin_memory off, non_blocking off": dict(pin_memory=False, non_blocking=False),
-    "pin_memory off, non_blocking on": dict(pin_memory=False, non_blocking=True),
-    "pin_memory on, non_blocking off": dict(pin_memory=True, non_blocking=False),
-    "pin_memory on, non_blocking on": dict(pin_memory=True, non_blocking=True),
-    "device-resident": dict(loader="device"),
-}
+    f"pin_memory {_ON[pin]}, non_blocking {_ON[non_blocking]}": dict(pin_memory=pin, non_blocking=non_blocking)
+    for pin in (False, True)
+    for non_blocking in (False, True)
+} | {"device-resident": dict(loader="device")}
 
 
 def loader_end_to_end(

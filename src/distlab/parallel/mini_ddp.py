@@ -105,11 +105,16 @@ class NaiveDDP(DataParallelWrapper):
             self._on_first_gradient()
 
     def finish_gradient_sync(self) -> None:
+        for grad in self.gradients():
+            self.all_reduce(grad)
+            grad.div_(self.world_size)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Every trainable parameter's gradient, or one sentence naming a parameter that got none."""
         for p in self.params:
             if p.grad is None:
                 raise DistlabError(_unused_parameter_message(self.module, p))
-            self.all_reduce(p.grad)
-            p.grad.div_(self.world_size)
+        return [p.grad for p in self.params]
 
 
 class _Bucket:

@@ -25,8 +25,8 @@ import torch.nn as nn
 from ..runtime import DistlabError
 from .base import OptimizerFactory, _state_values
 from .flat_param import FlatParams, all_gather_into, clip_sharded_grad_norm_, reduce_scatter_flat
-from .mini_ddp import BucketedDDP, DataParallelWrapper, _unused_parameter_message
-from .replicated import Replicated
+from .mini_ddp import NaiveDDP
+from .replicated import BucketedDDPStrategy, Replicated
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -77,25 +77,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
-class ShardedGradients(DataParallelWrapper):
-    """ZeRO-2's gradient synchronisation: after backward the flat gradient is
-    reduce-scattered, each rank keeps the averaged slice it will step, and
-    the full gradients are freed."""
+class ShardedGradients(NaiveDDP):
+    """ZeRO-2's gradient synchronisation: :class:`.mini_ddp.NaiveDDP`'s, but after
+    backward the flat gradient is reduce-scattered instead of all-reduced: each
+    rank keeps the averaged slice it will step, and the full gradients are freed."""
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__(module, group)
         self.flat = FlatParams(self.params, self.world_size, dist.get_rank(group))
         self.grad_shard: torch.Tensor | None = None
 
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if self.require_sync:
-            self._on_first_gradient()
-
     def finish_gradient_sync(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                raise DistlabError(_unused_parameter_message(self.module, p))
-        flat = self.flat.flatten([p.grad for p in self.params])
+        flat = self.flat.flatten(self.gradients())
         flat.div_(self.world_size)  # average before summing: no overflow in low precision
         self.grad_shard = reduce_scatter_flat(flat, self.flat.shard_numel, self.group)
         for p in self.params:
@@ -109,20 +102,10 @@ class ShardedGradients(DataParallelWrapper):
         return shard
 
 
-class Zero1(Replicated):
-    """ZeRO-1: DDP's bucketed all-reduce, then a sharded optimizer."""
+class Zero1(BucketedDDPStrategy):
+    """ZeRO-1: the course's bucketed DDP all-reduces the gradients, then a sharded optimizer steps."""
 
     name: ClassVar[str] = "zero1"
-
-    def __init__(self, bucket_cap_mb: float = 25.0):
-        self.bucket_cap_mb = bucket_cap_mb
-
-    @classmethod
-    def from_config(cls, parallel):
-        return cls(parallel.ddp_bucket_cap_mb)
-
-    def wrap(self, model, runtime):
-        return BucketedDDP(model, bucket_cap_mb=self.bucket_cap_mb)
 
     def make_optimizer(self, model, factory):
         return ShardedOptimizer(model.parameters(), factory)
