@@ -43,10 +43,14 @@ class Implementation:
     broadcasts_initial_weights: bool
     """True when wrapping copies rank 0's weights to every rank (DDP's contract)."""
     make_optimizer: Callable = _plain_optimizer
+    clip_grad_norm_: Callable[[nn.Module, float], float] | None = None
+    """How to clip by the norm over every rank's gradients (sharded ones included)."""
 
 
 def _row(strategy: Strategy, broadcasts: bool) -> Implementation:
-    return Implementation(strategy.wrap, strategy.no_sync, broadcasts, strategy.make_optimizer)
+    return Implementation(
+        strategy.wrap, strategy.no_sync, broadcasts, strategy.make_optimizer, strategy.clip_grad_norm_
+    )
 
 
 IMPLEMENTATIONS = {
@@ -82,43 +86,65 @@ def _build(model_name: str, seed: int) -> nn.Module:
         return TOY_MODELS[model_name][0]()
 
 
-def _sgd_steps(model: nn.Module, batches, accum: int, no_sync=None, make_optimizer=_plain_optimizer) -> None:
-    """SGD over ``batches``, each split into ``accum`` micro-batches; all but
-    the last run under ``no_sync`` when one is given."""
-    optimizer = make_optimizer(model, lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9))
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+}
+
+
+def _train_steps(
+    model: nn.Module, batches, accum: int, impl: Implementation | None = None, optimizer="sgd", max_norm=0.0
+):
+    """``optimizer`` steps over ``batches``, each split into ``accum`` micro-batches; all
+    but the last run under the implementation's ``no_sync``; clipped to ``max_norm`` if set."""
+    optim = (impl.make_optimizer if impl else _plain_optimizer)(model, OPTIMIZERS[optimizer])
     for inputs, targets in batches:
         for micro, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-            sync = no_sync is None or micro == accum - 1
-            with torch.enable_grad() if sync else no_sync(model):
+            sync = impl is None or micro == accum - 1
+            with torch.enable_grad() if sync else impl.no_sync(model):
                 (F.cross_entropy(model(x), y) / accum).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if max_norm:
+            if impl is None:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+            else:
+                impl.clip_grad_norm_(model, max_norm)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
 
 
-def single_process_reference(model_name: str, world_size: int) -> dict[str, torch.Tensor]:
+def single_process_reference(model_name: str, world_size: int, **training) -> dict[str, torch.Tensor]:
     x, y = _batches(model_name, world_size)
     model = _build(model_name, RANK0_SEED)
     step = world_size * PER_RANK
-    _sgd_steps(model, [(x[s * step : (s + 1) * step], y[s * step : (s + 1) * step]) for s in range(STEPS)], accum=1)
+    _train_steps(
+        model, [(x[s * step : (s + 1) * step], y[s * step : (s + 1) * step]) for s in range(STEPS)], 1, **training
+    )
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_every_row(runtime: Runtime):
+def _my_batches(model_name: str, runtime: Runtime):
     step, lo = runtime.world_size * PER_RANK, runtime.rank * PER_RANK
+    x, y = _batches(model_name, runtime.world_size)
+    return [
+        (x[s * step + lo : s * step + lo + PER_RANK], y[s * step + lo : s * step + lo + PER_RANK]) for s in range(STEPS)
+    ]
+
+
+def train_every_row(runtime: Runtime, rows=None, accums=(1, 2), optimizer="sgd", max_norm=0.0):
+    """Every row (or those named) trains every toy model, each rank from its own initial weights
+    where the row broadcasts rank 0's; returns the whole weights each row ended with."""
     states, buckets = {}, {}
     for model_name in TOY_MODELS:
-        x, y = _batches(model_name, runtime.world_size)
-        mine = [
-            (x[s * step + lo : s * step + lo + PER_RANK], y[s * step + lo : s * step + lo + PER_RANK])
-            for s in range(STEPS)
-        ]
+        mine = _my_batches(model_name, runtime)
         for name, impl in IMPLEMENTATIONS.items():
-            for accum in (1, 2):
+            if rows is not None and name not in rows:
+                continue
+            for accum in accums:
                 seed = RANK0_SEED + (runtime.rank if impl.broadcasts_initial_weights else 0)
                 model = impl.wrap(_build(model_name, seed), runtime)
                 if isinstance(model, BucketedDDP) and model_name == "cnn":
                     buckets[name] = model.bucket_sizes()
-                _sgd_steps(model, mine, accum, impl.no_sync, impl.make_optimizer)
+                _train_steps(model, mine, accum, impl, optimizer, max_norm)
                 states[(name, model_name, accum)] = full_state_dict(model)
     return {"states": states, "buckets": buckets}
 
@@ -146,3 +172,14 @@ def test_the_reference_moves_the_weights(model_name):
         assert torch.equal(initial["fc1.bias"], trained["fc1.bias"]), "a frozen parameter must not move"
     if model_name == "tied":
         assert torch.equal(trained["inp.weight"], trained["out.weight"])
+
+
+def test_every_sharded_row_with_adam_accumulation_and_clipping_on_4_ranks(tmp_path):
+    # Adam and a clipping norm that bites on every step, two micro-steps, 4 ranks starting from
+    # different weights: every ZeRO variant against one process on the whole batch.
+    training = dict(optimizer="adam", max_norm=0.05)
+    rows = [name for name in IMPLEMENTATIONS if name.startswith("zero") or name == "torch_ddp"]
+    references = {name: single_process_reference(name, 4, **training) for name in TOY_MODELS}
+    for rank, result in enumerate(run_ranks(train_every_row, 4, tmp_path, rows, (2,), "adam", 0.05)):
+        for (name, model_name, _), state in result["states"].items():
+            assert_same_state(state, references[model_name], label=f"rank {rank} {name} {model_name} adam")
