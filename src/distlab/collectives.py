@@ -12,9 +12,11 @@ Three versions, from naive to the one that matches the library collective:
   grow with ``n``. Segments are cut into chunks and streamed, so adding one
   chunk overlaps the transfer of the next, across hops and phases.
 
-Every send is paired with its receive in one ``batch_isend_irecv`` call, so
-the pattern cannot deadlock on NCCL, where a blocking send waits for its
-receiver. All functions sum in place and return the tensor.
+Every send is posted together with its receive in one ``batch_isend_irecv``
+call. Send-then-receive on every rank works only while the transport can
+buffer the whole message, so for large messages it can deadlock on any
+backend; posting both at once does not depend on buffering. All functions
+sum in place and return the tensor.
 """
 
 from __future__ import annotations

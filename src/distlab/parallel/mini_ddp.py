@@ -1,9 +1,16 @@
 """Data parallelism from scratch: the naive version beside the bucketed one.
 
-Both keep torch DDP's contract: rank 0's weights are broadcast at
-construction, and when ``loss.backward()`` returns every gradient holds the
-average over ranks. ``no_sync()`` skips the averaging for accumulation
-micro-steps, exactly as torch DDP's does.
+Both keep the core of torch DDP's contract: rank 0's parameters and buffers
+are broadcast at construction, and when ``loss.backward()`` returns every
+gradient holds the average over ranks. ``no_sync()`` skips the averaging for
+accumulation micro-steps, as torch DDP's does.
+
+They leave out four things torch DDP does: broadcasting rank 0's buffers
+before every forward (``broadcast_buffers``, which keeps BatchNorm statistics
+equal across ranks); launching bucket all-reduces strictly in bucket order,
+so that every rank posts the same collectives in the same order; rebuilding
+buckets after the first iteration from the order gradients arrived; and a
+1 MiB first bucket.
 
 * :class:`NaiveDDP` waits for backward to finish, then all-reduces each
   gradient on its own: one collective per parameter, none of it overlapped.
@@ -11,6 +18,9 @@ micro-steps, exactly as torch DDP's does.
   order of registration (roughly the order backward produces them) and
   launches each bucket's all-reduce asynchronously the moment its last
   gradient is ready, so communication runs while backward still computes.
+  Buckets are launched in the order they complete; that order is the same on
+  every rank because every rank runs the same backward graph (torch DDP does
+  not rely on it).
 
 The communication itself lives in :mod:`torch.distributed` (or any
 all-reduce you pass in, such as :func:`distlab.collectives.ring_all_reduce`);
