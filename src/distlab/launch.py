@@ -70,7 +70,7 @@ def torchrun(
         for line in process.stdout:
             lines.append(line)
             if echo and not _torchrun_noise(line):
-                print(line, end="", flush=True)
+                print(_without_folders(line), end="", flush=True)
         process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
@@ -81,6 +81,14 @@ def torchrun(
         reason = ours[0] if ours else (output.strip().splitlines() or ["no output"])[-1]
         raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {reason}")
     return JobOutput(process.returncode, output)
+
+
+def _without_folders(line: str) -> str:
+    """A job's ``wrote <path>`` line with the file's name only: where a notebook keeps its
+    scratch files says nothing to a reader (and puts machine paths on the page)."""
+    if line.startswith("wrote "):
+        return f"wrote {Path(line[len('wrote ') :].strip()).name}\n"
+    return line
 
 
 def _torchrun_noise(line: str) -> bool:
