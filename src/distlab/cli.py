@@ -149,11 +149,12 @@ class BenchConfig(ResultConfig):
 
 
 def finish_run(
-    runtime: Runtime, out: str | Path, name: str, kind: str, config: dict[str, Any], metrics: Any
+    runtime: Runtime | None, out: str | Path, name: str, kind: str, config: dict[str, Any], metrics: Any
 ) -> Path | None:
-    """On rank 0, write the result file and say where; other ranks do nothing."""
-    if not runtime.is_main:
+    """On rank 0 (or in a process that runs no job: ``runtime=None``), write the result
+    file and say where; other ranks do nothing."""
+    if runtime is not None and not runtime.is_main:
         return None
     path = write_result(Path(out) / f"{name}.json", kind, config, metrics, runtime)
-    runtime.log(f"wrote {path}")
+    print(f"wrote {path}", flush=True)
     return path

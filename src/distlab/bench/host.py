@@ -36,8 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cli import ResultConfig, option, parse
-from ..results import write_result
+from ..cli import ResultConfig, finish_run, option, parse
 from ..runtime import run_main
 from .harness import human_bytes, parse_sizes, summarize_times
 
@@ -274,8 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     refused = next((row["mlock_note"] for row in metrics["page_lock"] if row["mlock_note"]), "")
     if metrics["page_lock_note"] or refused:  # one line: why page-locking was measured smaller, or not at all
         print(f"distlab.bench.host: {metrics['page_lock_note'] or refused}")
-    path = write_result(Path(cfg.output.out) / f"{cfg.output.name or 'host'}.json", "host", asdict(cfg), metrics)
-    print(f"wrote {path}")
+    finish_run(None, cfg.output.out, cfg.output.name or "host", "host", asdict(cfg), metrics)
 
 
 if __name__ == "__main__":
