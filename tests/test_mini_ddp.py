@@ -6,24 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP
 from distlab.runtime import DistlabError
-from distlab.testing import run_ranks
-
-
-class _HasUnusedLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.used(x)
+from distlab.testing import ToyWithUnusedLayer, run_ranks
 
 
 def unused_parameter_error(runtime, wrapper: str):
-    model = {"naive": NaiveDDP, "bucketed": BucketedDDP}[wrapper](_HasUnusedLayer())
+    model = {"naive": NaiveDDP, "bucketed": BucketedDDP}[wrapper](ToyWithUnusedLayer())
     try:
         model(torch.randn(3, 4)).sum().backward()
     except DistlabError as error:

@@ -17,7 +17,7 @@ from distlab.models import build_model
 from distlab.parallel import Zero3
 from distlab.parallel.mini_fsdp import ShardedParameters
 from distlab.runtime import DistlabError
-from distlab.testing import TOY_MODELS, assert_same_state, run_ranks
+from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train
 
 SHARDED_MODELS = {**{name: spec[0] for name, spec in TOY_MODELS.items()}, "gpt-tiny": lambda: build_model("gpt-tiny")}
@@ -77,17 +77,8 @@ def _grads(model: ShardedParameters, strategy: Zero3, optimizer) -> dict:
     }
 
 
-class _HalfUsed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.used(x)
-
-
 def _unused_parameter_error() -> str | None:
-    model = ShardedParameters(_HalfUsed(), units=[])
+    model = ShardedParameters(ToyWithUnusedLayer(), units=[])
     try:
         model(torch.randn(3, 4)).sum().backward()
     except DistlabError as error:

@@ -145,6 +145,18 @@ class ToyTied(nn.Module):
             layer.reset_parameters()
 
 
+class ToyWithUnusedLayer(nn.Module):
+    """A layer that never takes part in the loss: its parameters get no gradient,
+    which a data-parallel wrapper must name instead of waiting for them forever."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 TOY_MODELS = {
     "cnn": (lambda: MnistCNN(), (1, 28, 28), 10),
     "frozen": (lambda: ToyWithFrozen(), (11,), 5),
