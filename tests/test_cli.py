@@ -108,6 +108,14 @@ def test_help_explains_every_flag():
         "--accum-steps",
         "--loader",
         "--precision",
+        "--activation-checkpointing",
+        "--meta-init",
+        "--fsdp-reshard-to",
+        "--fsdp-prefetch",
+        "--fsdp-param-dtype",
+        "--fsdp-reduce-dtype",
+        "--fsdp-cpu-offload",
+        "--no-fsdp-reshard-between-micro-steps",
     ):
         assert flag in out
 
@@ -123,6 +131,36 @@ def test_single_strategy_on_two_ranks_is_a_clear_error(tmp_path):
     assert run.returncode != 0
     line = _error_line(run)
     assert "--nproc_per_node=1" in line and "Traceback" not in run.stderr.split(line)[0][-200:]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--strategy", "ddp", "--fsdp-cpu-offload"], "use --strategy fsdp"),
+        (["--strategy", "fsdp", "--fsdp-reduce-dtype", "param"], "needs a low-precision --fsdp-param-dtype"),
+        (["--strategy", "ddp", "--model", "resnet18", "--activation-checkpointing"], "BatchNorm statistics twice"),
+    ],
+    ids=["fsdp_option_without_fsdp", "reduce_dtype_without_param_dtype", "checkpointing_batchnorm"],
+)
+def test_an_option_that_cannot_apply_is_one_line(tmp_path, flags, says):
+    run = subprocess.run(
+        [sys.executable, "-m", "distlab.train", *QUICK, "--out", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
+
+
+def test_reshard_to_a_group_that_does_not_divide_the_ranks_is_one_line(tmp_path):
+    run = run_torchrun(
+        2, "distlab.train", "--strategy", "fsdp", "--fsdp-reshard-to", "3", "--out", str(tmp_path), *QUICK
+    )
+    assert run.returncode != 0  # torchrun reports 1 whatever its ranks' codes
+    line = _error_line(run)
+    assert "--fsdp-reshard-to 3 must divide the 2 ranks" in line
+    assert "Traceback" not in run.stderr.split(line)[0], "the ranks end in one line (torchrun's own report follows)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

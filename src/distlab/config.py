@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .cli import from_flags, option, section
-from .models import GPT_PRESETS, MODEL_NAMES, model_input_kind
+from .models import GPT_PRESETS, META_INIT_FROM_PARAMETERS, MODEL_NAMES, model_input_kind
 from .parallel import STRATEGIES
 from .runtime import DistlabError
 
@@ -22,6 +22,16 @@ class ModelConfig:
         "cnn", "cnn (the reference notes' MNIST CNN), resnet18, or a GPT preset", flag="model", choices=MODEL_NAMES
     )
     seq_len: int = option(64, "GPT models: tokens per sample")
+    activation_checkpointing: bool = option(
+        False,
+        "keep only each shard unit's input in forward and recompute the rest in backward "
+        "(torch.utils.checkpoint per GPT block or CNN layer): less activation memory, one more forward",
+    )
+    meta_init: Literal["auto", "on", "off"] = option(
+        "auto",
+        "build the model on the meta device (no memory), shard it, then initialise only this rank's shards; "
+        f"auto: under a parameter-sharding strategy from {META_INIT_FROM_PARAMETERS // 10**6}M parameters up",
+    )
 
 
 @dataclass
@@ -80,8 +90,37 @@ class ParallelConfig:
         True,
         "fsdp: free gathered parameters after forward (FULL_SHARD); --no-... keeps them until backward (SHARD_GRAD_OP)",
     )
+    fsdp_units: Literal["model", "root"] = option(
+        "model",
+        "fsdp: model (each of the model's shard units, GPT blocks, ResNet stages or CNN layers, then the root) "
+        "or root (one unit: the whole model gathered at once)",
+    )
+    fsdp_reshard_to: int = option(
+        0,
+        "fsdp: after forward, keep each parameter gathered over groups of this many ranks (a divisor of the "
+        "world size, such as the GPUs of one node), so backward's all-gather stays in the group; "
+        "0: --fsdp-reshard-after-forward decides",
+    )
+    fsdp_prefetch: Literal["implicit", "explicit"] = option(
+        "implicit",
+        "fsdp: implicit (FSDP2's default: backward gathers the next unit early by itself) or explicit "
+        "(each unit names the next to gather, forward and backward: set_modules_to_forward/backward_prefetch)",
+    )
     fsdp_param_dtype: Literal["none", "bf16", "fp16"] = option(
-        "none", "fsdp: MixedPrecisionPolicy parameter dtype (gradients reduced in fp32)"
+        "none", "fsdp: MixedPrecisionPolicy dtype of the gathered parameters, so of forward and backward"
+    )
+    fsdp_reduce_dtype: Literal["fp32", "param"] = option(
+        "fp32", "fsdp with --fsdp-param-dtype: reduce-scatter gradients in fp32, or in the parameter dtype"
+    )
+    fsdp_cpu_offload: bool = option(
+        False,
+        "fsdp: keep parameter shards, gradients and optimizer state in host memory, the optimizer step on "
+        "the CPU (CPUOffloadPolicy, pinned on cuda; on a cpu device nothing moves)",
+    )
+    fsdp_reshard_between_micro_steps: bool = option(
+        True,
+        "fsdp with --accum-steps: --no-... keeps the gathered parameters across micro-steps (fewer "
+        "all-gathers, more memory); they are always freed before the optimizer step",
     )
     zero3_prefetch: bool = option(False, "zero3: all-gather the next unit while this one computes")
     zero_collectives: Literal["auto", "torch", "ring"] = option(
@@ -142,6 +181,7 @@ class TrainConfig:
         ):
             if value < 1:
                 raise DistlabError(f"{flag} must be at least 1, not {value}")
+        self._validate_fsdp_options()
         if model_input_kind(self.model.name) == "tokens":
             if self.data.dataset != "synthetic":
                 raise DistlabError(
@@ -152,6 +192,25 @@ class TrainConfig:
                 raise DistlabError(
                     f"{self.model.name} takes sequences of 1 to {longest} tokens, not --seq-len {self.model.seq_len}"
                 )
+
+    def _validate_fsdp_options(self) -> None:
+        p = self.parallel
+        fsdp_only = {
+            "--fsdp-units root": p.fsdp_units != "model",
+            "--fsdp-reshard-to": p.fsdp_reshard_to != 0,
+            "--fsdp-prefetch explicit": p.fsdp_prefetch != "implicit",
+            "--fsdp-param-dtype": p.fsdp_param_dtype != "none",
+            "--fsdp-reduce-dtype param": p.fsdp_reduce_dtype != "fp32",
+            "--fsdp-cpu-offload": p.fsdp_cpu_offload,
+            "--no-fsdp-reshard-between-micro-steps": not p.fsdp_reshard_between_micro_steps,
+        }
+        used = [flag for flag, set_ in fsdp_only.items() if set_]
+        if used and p.strategy != "fsdp":
+            raise DistlabError(f"{', '.join(used)} configure(s) torch FSDP2: use --strategy fsdp, not {p.strategy}")
+        if p.fsdp_reshard_to < 0:
+            raise DistlabError(f"--fsdp-reshard-to must be a number of ranks (or 0), not {p.fsdp_reshard_to}")
+        if p.fsdp_reduce_dtype != "fp32" and p.fsdp_param_dtype == "none":
+            raise DistlabError("--fsdp-reduce-dtype param needs a low-precision --fsdp-param-dtype (bf16 or fp16)")
 
     def run_name(self, world_size: int, device_type: str) -> str:
         """The result file's name: ``--run-name``, or what the run was."""

@@ -30,9 +30,16 @@ class ShardUnits(Protocol):
         """Submodules to shard one by one, in forward order; the rest goes with the root."""
         ...
 
-    def init_weights(self) -> None:
-        """(Re-)initialise every parameter and buffer in place."""
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own parameters and buffers (not its children's) in place,
+        drawing from the global RNG; :func:`init_weights` calls it on every module in order."""
         ...
+
+
+def init_weights(model: nn.Module) -> None:
+    """(Re-)initialise every parameter and buffer of a :class:`ShardUnits` model in place."""
+    for module in model.modules():
+        model.init_module(module)
 
 
 def require_shard_units(model: nn.Module, strategy: str) -> list[nn.Module]:
@@ -45,10 +52,10 @@ def require_shard_units(model: nn.Module, strategy: str) -> list[nn.Module]:
     return model.shard_units()
 
 
-def _reset_parameters(model: nn.Module) -> None:
-    for module in model.modules():
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+def reset_module(module: nn.Module) -> None:
+    """torch's own default initialisation of one layer."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
 
 
 class MnistCNN(nn.Module):
@@ -79,8 +86,8 @@ class MnistCNN(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return [self.features[0], self.features[3], self.features[6], self.classifier[1], self.classifier[3]]
 
-    def init_weights(self) -> None:
-        _reset_parameters(self)
+    def init_module(self, module: nn.Module) -> None:
+        reset_module(module)
 
 
 class ResNet18(ResNet):
@@ -95,11 +102,10 @@ class ResNet18(ResNet):
     def shard_units(self) -> list[nn.Module]:
         return [self.layer1, self.layer2, self.layer3, self.layer4]
 
-    def init_weights(self) -> None:
-        _reset_parameters(self)
-        for module in self.modules():  # torchvision's own initialisation of the convolutions
-            if isinstance(module, nn.Conv2d):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+    def init_module(self, module: nn.Module) -> None:
+        reset_module(module)
+        if isinstance(module, nn.Conv2d):  # torchvision's own initialisation of the convolutions
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
 
 
 @dataclass(frozen=True)
@@ -168,17 +174,16 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
+            init_weights(self)
 
-    def init_weights(self) -> None:
+    def init_module(self, module: nn.Module) -> None:
         """GPT-2's: normal(0, 0.02) weights, zero biases, unit LayerNorms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -224,10 +229,45 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+# From this many parameters up, a parameter-sharding strategy builds the model
+# on the meta device and materialises only each rank's shards (--meta-init auto).
+META_INIT_FROM_PARAMETERS = 50_000_000
+
+
+def checkpoint_activations(model: nn.Module, name: str = "") -> None:
+    """Recompute each shard unit's activations in backward instead of keeping them.
+
+    Only a unit's input is saved in forward; backward runs the unit's forward
+    again to rebuild the rest. The unit stays the same module (names, state
+    dict and sharding unchanged): only its ``forward`` is routed through
+    :func:`torch.utils.checkpoint.checkpoint`.
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    units = require_shard_units(model, "--activation-checkpointing")
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for unit in units for m in unit.modules()):
+        raise DistlabError(
+            f"--activation-checkpointing reruns each unit's forward in backward, which would update "
+            f"{name or type(model).__name__}'s BatchNorm statistics twice: use it with the cnn or a GPT model"
+        )
+    for unit in units:
+        # Non-reentrant: works with parameters that need no grad and with FSDP's hooks.
+        unit.forward = partial(checkpoint, unit.forward, use_reentrant=False)
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     """Give a model built (and perhaps sharded) on ``meta`` real storage on
-    ``device`` and initialise it from ``seed``, leaving the global RNG as it was.
-    Each rank allocates only what it holds: its shards, under a sharding strategy."""
+    ``device`` and initialise it from ``seed``, leaving every global RNG as it was.
+
+    Each rank allocates only what it holds: its shards, under a sharding
+    strategy. The values do not depend on the sharding or the device: module
+    by module, in order, the whole parameters are drawn on the CPU from the
+    seeded generator (one module's worth at a time), and each rank keeps its
+    part. So a model sharded over any number of ranks starts from exactly the
+    weights one process would have.
+    """
     tied = _tied_parameters(model)
     model.to_empty(device=device)
     for places in tied:  # to_empty gives each place its own tensor unless a sharding wrapper keeps the tie
@@ -235,9 +275,54 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
         for module, name in rest:
             setattr(module, name, getattr(owner, attr))
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.init_weights()
+        torch.default_generator.manual_seed(seed)  # the CPU's only: the draws happen there
+        for module in model.modules():
+            _init_module_whole(model, module)
     return model
+
+
+def _init_module_whole(model: nn.Module, module: nn.Module) -> None:
+    """Run ``model.init_module(module)`` on whole CPU copies of the module's own
+    tensors, then copy into each tensor the part this rank holds."""
+    held = {**module._parameters, **module._buffers}
+    held = {name: tensor for name, tensor in held.items() if tensor is not None}
+    if not held:
+        model.init_module(module)
+        return
+    for name, tensor in held.items():
+        whole = torch.empty(tensor.shape, dtype=tensor.dtype)  # a DTensor's shape is the whole one
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(whole, requires_grad=tensor.requires_grad)
+        else:
+            module._buffers[name] = whole
+    try:
+        model.init_module(module)
+    finally:
+        for name, tensor in held.items():
+            whole = module._parameters[name] if name in module._parameters else module._buffers[name]
+            (module._parameters if name in module._parameters else module._buffers)[name] = tensor
+            with torch.no_grad():
+                _local(tensor).copy_(_my_part(whole.detach(), tensor))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _my_part(whole: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The slice of ``whole`` that ``tensor`` (whole, or a DTensor sharded on dim 0) stores on this rank."""
+    placements = getattr(tensor, "placements", ())
+    part = whole
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            # torch.chunk's split, as FSDP's Shard(0) uses: ceil(n / ranks) rows each, the last ranks fewer or none
+            chunks = part.chunk(tensor.device_mesh.size(mesh_dim), dim=placement.dim)
+            index = tensor.device_mesh.get_local_rank(mesh_dim)
+            part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
+    expected = _local(tensor).shape
+    if part.shape != expected:
+        raise DistlabError(f"cannot place a {tuple(whole.shape)} tensor on a shard of shape {tuple(expected)}")
+    return part
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

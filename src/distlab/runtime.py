@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+
 LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The reduced-precision dtypes a command line can name; anything else means fp32."""
 
@@ -187,6 +189,13 @@ def run_main(main, argv=None) -> None:
             "failed first: read its error above"
         )
         raise SystemExit(3) from None
+    except _OUT_OF_MEMORY as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+        say(
+            f"distlab: rank {rank} ran out of device memory ({first_line[:160]}): shard the model "
+            "(--strategy fsdp or zero3), add --activation-checkpointing, or use a smaller --batch-size"
+        )
+        raise SystemExit(4) from None
     except KeyboardInterrupt:
         say(f"distlab: rank {rank} interrupted")
         raise SystemExit(130) from None

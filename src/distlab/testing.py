@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from .launch import launcher_environment, torchrun_command
-from .models import MnistCNN
+from .models import MnistCNN, reset_module
 
 # float32 SGD over a few steps: only the order of additions differs between
 # ranks and the single process, which stays at rounding level.
@@ -120,9 +120,8 @@ class ToyWithFrozen(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return [self.fc1, self.fc2]
 
-    def init_weights(self) -> None:
-        self.fc1.reset_parameters()
-        self.fc2.reset_parameters()
+    def init_module(self, module: nn.Module) -> None:
+        reset_module(module)
 
 
 class ToyTied(nn.Module):
@@ -140,9 +139,8 @@ class ToyTied(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return [self.mid]  # the tied pair stays in the root unit, so its weight is gathered once
 
-    def init_weights(self) -> None:
-        for layer in (self.inp, self.mid, self.out):
-            layer.reset_parameters()
+    def init_module(self, module: nn.Module) -> None:
+        reset_module(module)
 
 
 class ToyWithUnusedLayer(nn.Module):

@@ -30,13 +30,18 @@ from .cli import finish_run, parse
 from .config import TrainConfig
 from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
 from .memory import MemoryTracker, state_bytes
-from .models import GPT_PRESETS, build_model, count_parameters, materialize, model_input_kind
+from .models import (
+    GPT_PRESETS,
+    META_INIT_FROM_PARAMETERS,
+    build_model,
+    checkpoint_activations,
+    count_parameters,
+    materialize,
+    model_input_kind,
+)
 from .parallel import Strategy, make_strategy
 from .runtime import LOW_PRECISION, DistlabError, Runtime, distributed, gather_per_rank, run_main, synchronize
 
-# Above this many parameters a sharding strategy builds the model on the meta
-# device and materialises only each rank's shards.
-META_INIT_FROM_PARAMETERS = 50_000_000
 # The optimizer step whose memory is measured: the second, since the first
 # also creates the optimizer's state and DDP's buckets.
 OBSERVED_STEP = 1
@@ -190,12 +195,13 @@ def build_model_for(cfg: TrainConfig, runtime: Runtime, strategy: Strategy, spec
     image_size = spec.shape[-1] if spec.kind == "image" else 0
     meta = build_model(cfg.model.name, spec.shape[0], spec.num_classes, image_size, device="meta")
     parameters = count_parameters(meta)
-    if strategy.shards_parameters and parameters >= META_INIT_FROM_PARAMETERS:
+    if cfg.model.activation_checkpointing:
+        checkpoint_activations(meta, cfg.model.name)
+    sharded_init = {"on": True, "off": False}.get(cfg.model.meta_init, parameters >= META_INIT_FROM_PARAMETERS)
+    if sharded_init and strategy.shards_parameters:
         return materialize(strategy.wrap(meta, runtime), runtime.device, cfg.training.seed), parameters
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.training.seed)
-        model = build_model(cfg.model.name, spec.shape[0], spec.num_classes, image_size)
-    return strategy.wrap(model.to(runtime.device), runtime), parameters
+    # The same weights, materialised whole on every rank (the wrapper may broadcast rank 0's)
+    return strategy.wrap(materialize(meta, runtime.device, cfg.training.seed), runtime), parameters
 
 
 def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:

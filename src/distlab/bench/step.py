@@ -22,7 +22,7 @@ from ..cli import BenchConfig, finish_run, option, parse
 from ..config import ParallelConfig
 from ..data import SyntheticTokens
 from ..memory import MemoryTracker, state_bytes
-from ..models import GPT_PRESETS, build_model, count_parameters
+from ..models import GPT_PRESETS, build_model, checkpoint_activations, count_parameters, materialize
 from ..parallel import make_strategy
 from ..runtime import DistlabError, distributed, gather_per_rank, run_main
 from ..traffic import TrafficCounter
@@ -49,17 +49,16 @@ class StepBenchConfig(BenchConfig):
 
 
 class Trainee:
-    """A model wrapped by one strategy, with its optimizer: one call is one optimizer step."""
+    """A model wrapped by one strategy, with its optimizer: one call is one optimizer step.
 
-    def __init__(self, name: str, cfg: StepBenchConfig, runtime):
-        parallel = ParallelConfig(strategy=name, fsdp_reshard_after_forward=cfg.reshard_after_forward)
-        if cfg.zero_collectives:
-            parallel.zero_collectives = cfg.zero_collectives
+    Every trainee of a run starts from the same weights, materialised from one seed."""
+
+    def __init__(self, parallel: ParallelConfig, model_name: str, runtime, activation_checkpointing: bool = False):
         self.strategy = make_strategy(parallel)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = build_model(cfg.model).to(runtime.device)
-        self.model = self.strategy.wrap(model, runtime)
+        model = build_model(model_name, device="meta")
+        if activation_checkpointing:
+            checkpoint_activations(model, model_name)
+        self.model = self.strategy.wrap(materialize(model, runtime.device, seed=0), runtime)
         self.optimizer = self.strategy.make_optimizer(self.model, lambda params: torch.optim.Adam(params, lr=1e-4))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
@@ -67,6 +66,13 @@ class Trainee:
         F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def strategy_trainee(name: str, cfg: StepBenchConfig, runtime) -> Trainee:
+    parallel = ParallelConfig(strategy=name, fsdp_reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.zero_collectives:
+        parallel.zero_collectives = cfg.zero_collectives
+    return Trainee(parallel, cfg.model, runtime)
 
 
 def observe_memory(trainee: Trainee, tokens, targets, runtime) -> list[dict] | None:
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab = GPT_PRESETS[cfg.model].vocab_size
         batch = SyntheticTokens(vocab, cfg.seq_len, cfg.batch_size, seed=1234 + runtime.rank)
         tokens, targets = batch.data.to(runtime.device), batch.targets.to(runtime.device)
-        trainees = {name: Trainee(name, cfg, runtime) for name in names}
+        trainees = {name: strategy_trainee(name, cfg, runtime) for name in names}
         parameters = count_parameters(next(iter(trainees.values())).model)
         runtime.log(
             f"distlab.bench.step: {cfg.model} ({parameters:,} parameters), {cfg.batch_size}x{cfg.seq_len} tokens/rank, "

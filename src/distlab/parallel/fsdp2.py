@@ -1,30 +1,33 @@
 """torch's FSDP2 (``fully_shard``): every shard unit the model declares, then
-the root, sharded across the ranks."""
+the root, sharded across the ranks, with the options that trade memory for
+communication (resharding, prefetch, mixed precision, offload)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn as nn
 
 from ..models import require_shard_units
-from ..runtime import LOW_PRECISION
+from ..runtime import LOW_PRECISION, DistlabError
 from .base import Strategy
 
 try:  # public since torch 2.6
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 except ImportError:  # torch 2.4-2.5
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 class FSDP2(Strategy):
     """FSDP2: each shard unit, then the root, sharded across ranks.
 
     ``reshard_after_forward=True`` frees gathered parameters after forward
-    (FSDP1's FULL_SHARD); ``False`` keeps them until backward (SHARD_GRAD_OP).
+    (FSDP1's FULL_SHARD); ``False`` keeps them until backward (SHARD_GRAD_OP);
+    an integer ``g`` keeps each parameter gathered over groups of ``g`` ranks,
+    so backward's all-gather stays inside a group (a node, say).
     """
 
     name: ClassVar[str] = "fsdp"
@@ -32,43 +35,100 @@ class FSDP2(Strategy):
 
     def __init__(
         self,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | int = True,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        prefetch: Literal["implicit", "explicit"] = "implicit",
+        cpu_offload: bool = False,
+        reshard_between_micro_steps: bool = True,
+        units: Literal["model", "root"] = "model",
     ):
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        self.prefetch = prefetch
+        self.cpu_offload = cpu_offload
+        self.reshard_between_micro_steps = reshard_between_micro_steps
+        self.units = units
 
     @classmethod
     def from_config(cls, parallel):
         param_dtype = LOW_PRECISION.get(parallel.fsdp_param_dtype)
-        # Low-precision parameters, gradients reduced in fp32: the sum of many ranks keeps its bits.
+        # By default gradients are reduced in fp32 even when computed in low precision:
+        # the sum over many ranks keeps its bits.
+        reduce_dtype = torch.float32 if param_dtype and parallel.fsdp_reduce_dtype == "fp32" else None
         return cls(
-            parallel.fsdp_reshard_after_forward,
+            parallel.fsdp_reshard_to or parallel.fsdp_reshard_after_forward,
             param_dtype=param_dtype,
-            reduce_dtype=torch.float32 if param_dtype else None,
+            reduce_dtype=reduce_dtype,
+            prefetch=parallel.fsdp_prefetch,
+            cpu_offload=parallel.fsdp_cpu_offload,
+            reshard_between_micro_steps=parallel.fsdp_reshard_between_micro_steps,
+            units=parallel.fsdp_units,
         )
+
+    def check_world_size(self, world_size: int) -> None:
+        super().check_world_size(world_size)
+        group = self.reshard_after_forward
+        if not isinstance(group, bool) and (group < 2 or world_size % group):
+            raise DistlabError(
+                f"--fsdp-reshard-to {group} must divide the {world_size} ranks and be at least 2 "
+                f"(it is the size of the group a parameter stays gathered over): use a divisor of {world_size}, "
+                "or --fsdp-reshard-after-forward"
+            )
 
     def wrap(self, model: nn.Module, runtime) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
-        units = require_shard_units(model, self.name)
+        self.check_world_size(runtime.world_size)
+        # One root unit gathers the whole model at once: what FSDP1's size-based
+        # policy does when its threshold is above every layer's size.
+        units = require_shard_units(model, self.name) if self.units == "model" else []
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+        options = dict(
+            mesh=mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.mp_policy,
+            offload_policy=self._offload_policy(runtime.device),
+        )
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy)
-        return fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=self.mp_policy)
+            fully_shard(unit, **options)
+        root = fully_shard(model, **options)
+        if self.prefetch == "explicit":
+            # One unit ahead in both directions; FSDP2's implicit default already
+            # prefetches in backward, explicit lists also let forward run ahead.
+            for before, after in zip(units, units[1:]):
+                before.set_modules_to_forward_prefetch([after])
+                after.set_modules_to_backward_prefetch([before])
+        return root
+
+    def _offload_policy(self, device: torch.device):
+        if not self.cpu_offload:
+            return OffloadPolicy()
+        # Pinned host memory is what lets the copies overlap, and pinning needs a GPU driver:
+        # on a CPU the shards already live in host memory and there is nothing to move.
+        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
     @contextmanager
     def no_sync(self, model) -> Iterator[None]:
         model.set_requires_gradient_sync(False)
+        if not self.reshard_between_micro_steps:
+            model.set_reshard_after_backward(False)  # recursive: every unit keeps its gathered parameters
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+            # The last micro-step must reshard: the optimizer updates the shards, and a
+            # gathered copy left over would be used, stale, by the next forward.
+            model.set_reshard_after_backward(True)
+
+    def make_optimizer(self, model, factory):
+        optimizer = factory(model.parameters())
+        optimizer.register_step_pre_hook(lambda *_: refuse_stale_gathered_parameters(model))
+        return optimizer
 
     def state_tensors(self, model, optimizer):
         found = super().state_tensors(model, optimizer)
-        found["gathered"] = [param for param in _unsharded_parameters(model) if param.untyped_storage().size() > 0]
+        found["gathered"] = gathered_parameters(model)
         return found
 
     def grad_scaler(self, enabled, device):
@@ -78,15 +138,40 @@ class FSDP2(Strategy):
         return ShardedGradScaler(device.type, enabled=enabled)
 
 
+def refuse_stale_gathered_parameters(model: nn.Module) -> None:
+    """Fail before an optimizer step that would leave gathered parameters stale.
+
+    The step updates each rank's shards; a whole parameter still gathered from the
+    old shards would be reused by the next forward, which then computes with last
+    step's weights and raises nothing (``set_reshard_after_backward(False)`` left
+    on does this). ``reshard()`` is per unit, not recursive, so every unit counts.
+    """
+    if gathered_parameters(model):
+        raise DistlabError(
+            "FSDP parameters are still gathered at the optimizer step, so the next forward would use "
+            "stale weights: call set_reshard_after_backward(True) before the last micro-step's backward, "
+            "or reshard() every fully_shard-ed module before stepping"
+        )
+
+
+def gathered_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The whole parameters FSDP2 has assembled from shards and not yet freed."""
+    return [param for param in _unsharded_parameters(model) if param.untyped_storage().size() > 0]
+
+
 def _unsharded_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The whole parameters FSDP2 assembles from shards (allocated only while gathered).
     They live in FSDP2's private state; if that moves, they are counted as other memory."""
     found = []
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", lambda: None)()
-        group = getattr(state, "_fsdp_param_group", None) if state is not None else None
-        for fsdp_param in getattr(group, "fsdp_params", []):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                found.append(unsharded)
+        groups = getattr(state, "_fsdp_param_groups", None) if state is not None else None
+        if groups is None:  # older torch: at most one group per state
+            group = getattr(state, "_fsdp_param_group", None) if state is not None else None
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    found.append(unsharded)
     return found
