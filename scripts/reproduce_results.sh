@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-measure the results the book plots from book/results/, on this machine.
 #
-#   bash scripts/reproduce_results.sh            # everything (about 15 minutes on 2 cores)
+#   bash scripts/reproduce_results.sh            # everything (about 25 minutes on 2 cores)
 #   bash scripts/reproduce_results.sh ring step  # some of it
 #
 # Results carry the git commit they were measured at, so the tree must be
@@ -24,7 +24,7 @@ run() {  # run RANKS MODULE ARGS...: torchrun on this machine's CPU with gloo, t
 }
 
 what=("$@")
-[ ${#what[@]} -eq 0 ] && what=(ring shard step)
+[ ${#what[@]} -eq 0 ] && what=(ring shard step fsdp)
 
 for item in "${what[@]}"; do
     case "$item" in
@@ -42,8 +42,12 @@ for item in "${what[@]}"; do
         done ;;
     step)  # one optimizer step of every strategy on gpt-mini, side by side
         run 2 distlab.bench.step --model gpt-mini --strategies ddp,zero1,zero2,zero3,fsdp --steps 15 --out book/results/zero ;;
+    fsdp)  # one optimizer step of FSDP2 with each option on gpt-mini, on 2 and 4 ranks
+        for n in 2 4; do
+            run "$n" distlab.bench.fsdp_options --model gpt-mini --steps 10 --out book/results/fsdp
+        done ;;
     *)
-        echo "reproduce_results: unknown item $item (use ring, shard, step)" >&2
+        echo "reproduce_results: unknown item $item (use ring, shard, step, fsdp)" >&2
         exit 2 ;;
     esac
 done
