@@ -648,3 +648,44 @@ def plot_shard_collectives(records: Sequence[dict], axes=None):
             title=f"{env['world_size']} ranks, {env['backend']}",
         )
     return _finish_panels(axes, records, "median time (ms)")
+
+
+def plot_fsdp_options(records: Sequence[dict], baseline: str = "fsdp"):
+    """For each FSDP2 option (an ``fsdp_options`` result per world size): rank 0's
+    peak memory, split by what it held at that moment, and the step time
+    (median, quartiles as whiskers), each variant against ``baseline``."""
+    fig, axes = plt.subplots(len(records), 2, figsize=(13, 0.45 * 11 * len(records) + 0.6), squeeze=False)
+    for (ax_memory, ax_time), record in zip(axes, records):
+        rows = record["metrics"]["variants"]
+        names = [row["variant"] for row in rows]
+        positions = list(range(len(rows)))[::-1]
+        left = [0.0] * len(rows)
+        for category, color in MEMORY_COLORS.items():
+            values = [row["memory"]["ranks"][0]["peak_by_category"].get(category, 0) / 2**20 for row in rows]
+            ax_memory.barh(positions, values, left=left, color=color, label=category.replace("_", " "))
+            left = [a + b for a, b in zip(left, values)]
+        medians = [1e3 * row["time_s"] for row in rows]
+        whiskers = [
+            [m - 1e3 * row["time_q1_s"] for m, row in zip(medians, rows)],
+            [1e3 * row["time_q3_s"] - m for m, row in zip(medians, rows)],
+        ]
+        colors = ["tab:gray" if name in ("ddp", "zero3") else "tab:blue" for name in names]
+        ax_time.barh(positions, medians, xerr=whiskers, color=colors, capsize=2)
+        label_at = {ax_memory: left, ax_time: [1e3 * row["time_q3_s"] for row in rows]}
+        for ax, values in ((ax_memory, left), (ax_time, medians)):
+            base = values[names.index(baseline)] if baseline in names else None
+            ax.set_yticks(positions, names, fontsize=8)
+            if base:
+                ax.axvline(base, color="black", lw=0.7, ls=":")
+                for y, value, x in zip(positions, values, label_at[ax]):
+                    ax.text(x, y, f" {value / base:.2f}x", va="center", fontsize=7)
+        env = record["environment"]
+        ax_memory.set(xlabel="MiB held by rank 0 at its peak")
+        ax_time.set(xlabel="step time (ms), slowest rank, median and quartiles")
+        ax_memory.set_title(f"{env['world_size']} ranks: peak memory per rank", fontsize=9)
+        ax_time.set_title(f"{env['world_size']} ranks: time of one optimizer step", fontsize=9)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    fig.suptitle(f"measured on {hardware_label(records[0]['environment'])}", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
