@@ -572,8 +572,9 @@ MEMORY_COLORS = {
 }
 
 
-def _variant(record: dict, strategy: str) -> dict:
-    return next(row for row in record["metrics"]["variants"] if row["strategy"] == strategy)
+def _variant(record: dict, name: str) -> dict:
+    """A step-bench row by strategy, or an options-bench row by variant."""
+    return next(row for row in record["metrics"]["variants"] if row.get("strategy", row.get("variant")) == name)
 
 
 def plot_memory_timeline(record: dict, strategy: str, rank: int = 0, ax=None, title: str | None = None, legend=True):

@@ -1,0 +1,263 @@
+"""Train the course's CNN or a GPT with FSDP2 (torch's fully_shard) on every GPU of a machine, or on CPU ranks.
+
+    torchrun --standalone --nproc_per_node=2 fsdp_train.py --model cnn --dataset mnist --epochs 5 --out fsdp.json
+    torchrun --standalone --nproc_per_node=2 fsdp_train.py --model gpt-xl --n-layer 30 --checkpoint-activations \
+        --batch-size 1 --max-steps 10 --out gpt.json
+
+Each rank stores 1/N of every parameter, gradient and Adam moment. Before a unit's forward (and again before
+its backward) the ranks all-gather its parameters; after its backward they reduce-scatter its gradients, so
+each rank steps only its own shard. `--wrap ddp` replicates the model instead: the baseline to compare with.
+Rank 0 writes a JSON summary, with the environment it ran in, to --out.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from distlab.models import GPT, GPT_PRESETS, build_model
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="cnn", choices=["cnn", *GPT_PRESETS])
+    p.add_argument("--n-layer", type=int, default=0, help="GPT: blocks (0: the preset's)")
+    p.add_argument("--dataset", default="mnist", choices=["mnist", "synthetic"], help="a GPT always reads tokens")
+    p.add_argument("--data-dir", default="./data")
+    p.add_argument("--samples", type=int, default=8192, help="synthetic: training samples (test: an eighth)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="per rank")
+    p.add_argument("--max-steps", type=int, default=0, help="optimizer steps per epoch at most (0: all)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    p.add_argument("--checkpoint-activations", action="store_true", help="recompute each unit's insides in backward")
+    p.add_argument("--wrap", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--out", default="fsdp_train.json")
+    return p.parse_args()
+
+
+def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
+    if device.type != "cuda" or precision == "fp32":
+        return torch.float32  # asked for, or a CPU, which has no fast half-precision matmuls
+    # bf16 keeps fp32's range (no loss scaling) but needs Ampere (8.0) or newer; a T4 (7.5) has fp16 tensor cores.
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
+def synthetic(args, n: int, split: int) -> TensorDataset:
+    """distlab.train's --dataset synthetic, recipe for recipe, so the two compare sample for sample."""
+    if args.model == "cnn":  # MNIST's shape: each class a fixed random template plus noise, so it can be learned
+        templates = torch.randn(10, 1, 28, 28, generator=torch.Generator().manual_seed(args.seed))
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 1 + split)
+        labels = torch.randint(10, (n,), generator=gen)
+        return TensorDataset(templates[labels] + torch.randn(n, 1, 28, 28, generator=gen), labels)
+    cfg, gen = GPT_PRESETS[args.model], torch.Generator().manual_seed(args.seed + split)
+    start, stride = torch.randint(cfg.vocab_size, (n, 1), generator=gen), torch.randint(1, 8, (n, 1), generator=gen)
+    tokens = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size  # the next token follows from the last
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def load_data(args) -> tuple:
+    if args.model != "cnn" or args.dataset == "synthetic":
+        return synthetic(args, args.samples, 0), synthetic(args, max(args.samples // 8, 64), 1)
+    from torchvision import datasets, transforms  # only MNIST needs torchvision
+
+    if dist.get_rank() == 0:  # one download, not N processes writing the same files
+        for train in (True, False):
+            datasets.MNIST(args.data_dir, train=train, download=True)
+    dist.barrier()
+    normalize = transforms.Normalize((0.1307,), (0.3081,))  # MNIST's mean and std: inputs of zero mean, unit spread
+    to_tensor = transforms.Compose([transforms.ToTensor(), normalize])
+    return tuple(datasets.MNIST(args.data_dir, train=train, transform=to_tensor) for train in (True, False))
+
+
+def build(args, device: torch.device, dtype: torch.dtype):
+    """The model, wrapped, and its parameter count."""
+    torch.manual_seed(args.seed)  # every rank builds the same weights; fully_shard then keeps each rank's slice
+    if args.model == "cnn":
+        model = build_model("cnn", device=device)
+    else:  # built where it trains: its fp32 weights are only 4 of the 16 bytes a value DDP would need there
+        with torch.device(device):
+            preset = GPT_PRESETS[args.model]
+            model = GPT(replace(preset, n_layer=args.n_layer or preset.n_layer))
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # a tied weight once
+    if args.checkpoint_activations:  # keep only each unit's input in forward: one more forward, far less memory
+        for unit in model.shard_units():
+            unit.forward = partial(checkpoint, unit.forward, use_reentrant=False)
+    if args.wrap == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), parameters
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # Gather and compute in `dtype` (half the all-gather bytes on a GPU); reduce gradients and step in fp32.
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for unit in model.shard_units():  # one all-gather and one reduce-scatter per unit, overlapping others' compute
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy), parameters  # the root: the rest (embeddings, head)
+
+
+def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor):
+    """Per-target cross-entropy (in fp32 whatever the compute dtype) and hits, for labels and tokens alike."""
+    losses = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
+    return losses.view(targets.shape), logits.argmax(-1) == targets
+
+
+@torch.no_grad()
+def evaluate(model, dataset, args, device, autocast) -> tuple[float, float]:
+    # Every rank must call forward equally often (each call all-gathers), so the sampler pads the shards to
+    # equal length; the padding is masked out, so each test sample counts exactly once.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+    model.eval()
+    sums, seen = torch.zeros(3, dtype=torch.float64, device=device), 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        real = torch.arange(seen, seen + len(y), device=device) * world + rank < len(dataset)
+        seen += len(y)
+        with autocast:
+            losses, correct = loss_and_correct(model(x), y)
+        mask = real.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
+        sums += torch.stack([losses[mask].sum().double(), correct[mask].sum().double(), mask.sum().double()])
+    dist.all_reduce(sums)
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank stores (of a DTensor: its own shard)."""
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    storages = {}
+    for t in tensors:  # a storage once, however many tensors view it (tied weights, padded shards)
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def environment(device: torch.device) -> dict:
+    """What a reader needs to trust or redo the numbers: versions, hardware, the command."""
+    cuda, cpuinfo = device.type == "cuda", Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())] if cuda else []
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "device": str(device),
+        "device_name": gpus[device.index].name if cuda else cpu,
+        "device_memory_bytes": gpus[device.index].total_memory if cuda else None,
+        "gpus": [gpu.name for gpu in gpus],
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "command": " ".join(sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def train(args, device: torch.device) -> None:
+    rank, world, cuda = dist.get_rank(), dist.get_world_size(), device.type == "cuda"
+    train_set, test_set = load_data(args)
+    dtype = compute_dtype(device, args.precision)
+    model, parameters = build(args, device, dtype)
+    # fused: one kernel, and no temporary copy of the whole state (foreach Adam briefly makes one).
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=cuda)
+    # fp16 gradients underflow without loss scaling. Each rank sees only its shard, but the shards are DTensors,
+    # whose overflow check GradScaler all-reduces: every rank skips the same steps.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda)
+    steps = min(len(loader), args.max_steps or len(loader))
+    if rank == 0:
+        print(f"{args.wrap} | {args.model}: {parameters:,} parameters | {world} x {device.type} | {dtype}", flush=True)
+    history, held = [], 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank, so the shards never overlap
+        model.train()
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, targets
+        step_loss = torch.zeros(steps, dtype=torch.float64, device=device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for step, (x, y) in zip(range(steps), loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast:
+                losses, correct = loss_and_correct(model(x), y)
+            scaler.scale(losses.mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            held = max(held, held_bytes(model, optimizer))  # the gradients exist from backward to zero_grad
+            optimizer.zero_grad(set_to_none=True)
+            step_loss[step] = losses.detach().mean()
+            sums += torch.stack([losses.detach().sum().double(), correct.sum().double(), sums.new_tensor(y.numel())])
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        dist.all_reduce(sums)  # one collective an epoch, not one a step
+        dist.all_reduce(step_loss)
+        test_loss, test_accuracy = evaluate(model, test_set, args, device, autocast)
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "epoch_time_s": seconds,
+                "samples_per_s": steps * args.batch_size * world / seconds,
+                "train_loss": (sums[0] / sums[2]).item(),
+                "train_accuracy": (sums[1] / sums[2]).item(),
+                "test_loss": test_loss,
+                "test_accuracy": test_accuracy,
+                "step_loss": (step_loss / world).tolist(),
+            }
+        )
+        if rank == 0:
+            print(f"epoch {epoch + 1}: train loss {history[-1]['train_loss']:.4f} | test loss {test_loss:.4f} "
+                  f"acc {100 * test_accuracy:.2f}% | {seconds:.1f} s", flush=True)  # fmt: skip
+    mine = torch.tensor([held, torch.cuda.max_memory_allocated(device) if cuda else -1], device=device)
+    ranks = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(ranks, mine)
+    if rank == 0:
+        memory = [{"state_bytes": int(r[0]), "cuda_max_allocated": int(r[1]) if cuda else None} for r in ranks]
+        metrics = {"parameters": parameters, "compute_dtype": str(dtype), "epochs": history, "memory": memory}
+        record = {"schema": "distlab.result/1", "kind": "fsdp_train", "config": vars(args), "metrics": metrics}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**record, "environment": environment(device)}, indent=2) + "\n")
+        print(f"wrote {Path(args.out).name}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # the backend follows the device
+    try:
+        train(args, device)
+    except torch.OutOfMemoryError as err:  # one line, not a traceback through FSDP's internals
+        print(f"fsdp_train.py: rank {dist.get_rank()} out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)  # torchrun then stops the other ranks
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
