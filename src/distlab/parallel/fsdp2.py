@@ -92,7 +92,10 @@ class FSDP2(Strategy):
         )
         for unit in units:
             fully_shard(unit, **options)
-        root = fully_shard(model, **options)
+        # The root's parameters (a GPT's embedding and its tied head) are used at the
+        # end of forward and again first thing in backward: freeing them in between
+        # would only gather them again at once (torch's own default for the root).
+        root = fully_shard(model, **{**options, "reshard_after_forward": False})
         if self.prefetch == "explicit":
             # One unit ahead in both directions; FSDP2's implicit default already
             # prefetches in backward, explicit lists also let forward run ahead.
