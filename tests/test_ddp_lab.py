@@ -1,0 +1,89 @@
+"""The DDP lab's script: the notebook writes exactly the file in scripts/, that file trains exactly what
+``distlab.train --strategy ddp`` trains, and its checkpoint resumes the run exactly where it stopped."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlab.models import build_model
+from distlab.results import read_result
+from distlab.testing import ATOL, assert_same_state, run_torchrun, write_tiny_mnist
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "ddp_train.py"
+LAB = ROOT / "notebooks" / "lab_ddp_mnist.ipynb"
+
+
+def test_the_lab_writes_the_script_byte_for_byte():
+    cells = ["".join(cell["source"]) for cell in json.loads(LAB.read_text())["cells"] if cell["cell_type"] == "code"]
+    written = [source for source in cells if source.startswith("%%writefile ddp_train.py\n")]
+    assert len(written) == 1, "the lab must write ddp_train.py in exactly one cell"
+    assert written[0].split("\n", 1)[1] == SCRIPT.read_text()
+
+
+def _ok(job) -> None:
+    assert job.returncode == 0, job.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """On the same MNIST files and seed: ``distlab.train --strategy ddp`` for three epochs, and the script for two,
+    stopped, then resumed from its checkpoint for the third. The test set has an odd size (41), so two ranks
+    cannot split it evenly: a DistributedSampler would pad it with a repeated sample."""
+    out = tmp_path_factory.mktemp("ddp-lab")
+    data = write_tiny_mnist(out / "data", test_size=41)
+    common = ["--dataset", "mnist", "--data-dir", str(data), "--batch-size", "16", "--num-workers", "0", "--seed", "3"]
+    script = (str(SCRIPT), *common, "--checkpoint", str(out / "checkpoint.pt"))
+    library = ["--strategy", "ddp", "--model", "cnn", "--device", "cpu", "--run-name", "library", "--log-every", "-1"]
+    library += [*common, "--epochs", "3", "--save-model", "--out", str(out)]
+    with ThreadPoolExecutor(2) as pool:  # two independent jobs: their start-ups overlap
+        first = pool.submit(run_torchrun, 2, *script, "--epochs", "2", "--out", str(out / "first.json"), timeout=180)
+        reference = pool.submit(run_torchrun, 2, "distlab.train", *library, timeout=180)
+        _ok(first.result())
+        _ok(reference.result())
+    _ok(run_torchrun(2, *script, "--epochs", "3", "--resume", "--out", str(out / "resumed.json"), timeout=180))
+    return {
+        "first": read_result(out / "first.json"),
+        "resumed": read_result(out / "resumed.json"),
+        "library": read_result(out / "library.json"),
+        "library_weights": torch.load(out / "library.pt", weights_only=True),
+        "checkpoint": torch.load(out / "checkpoint.pt", weights_only=True),
+    }
+
+
+def test_the_script_and_its_resumed_run_train_exactly_like_distlab_train(runs):
+    """Every step's loss, and each epoch's training and test numbers, agree to float rounding over three
+    epochs, the last one after a restart: so the weights did at every step. A missing set_epoch (epochs 2 and 3
+    would repeat epoch 1's order), a resume that reshuffles from epoch 0 or drops Adam's state, or a test sample
+    counted twice would each move them far more."""
+    ours = runs["first"]["metrics"]["epochs"] + runs["resumed"]["metrics"]["epochs"]
+    theirs = runs["library"]["metrics"]["epochs"]
+    assert [e["epoch"] for e in ours] == [e["epoch"] for e in theirs] == [1, 2, 3]
+    for a, b in zip(ours, theirs, strict=True):
+        assert len(a["step_loss"]) == len(b["step_loss"]) == 3  # 96 images / (2 ranks x 16)
+        assert a["step_loss"] == pytest.approx(b["step_loss"], rel=1e-6)
+        for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+    assert ours[-1]["train_loss"] < 0.5 * ours[0]["train_loss"]
+    environment = runs["first"]["environment"]
+    assert environment["backend"] == "gloo" and environment["world_size"] == 2
+
+
+def test_the_checkpoint_rank_0_wrote_holds_the_trained_weights(runs):
+    """The file loads into a bare model (no DDP "module." prefix) and holds, after the resumed epoch, the weights
+    distlab.train ended with, far from where training started; and the optimizer state to resume from."""
+    checkpoint = runs["checkpoint"]
+    assert checkpoint["epoch"] == 3
+    model = build_model("cnn")
+    model.load_state_dict(checkpoint["model"])
+    assert_same_state(model.state_dict(), runs["library_weights"], label="checkpoint")
+    torch.manual_seed(3)
+    initial = build_model("cnn").state_dict()
+    assert max((initial[k] - checkpoint["model"][k]).abs().max().item() for k in initial) > 100 * ATOL
+    steps = {state["step"].item() for state in checkpoint["optimizer"]["state"].values()}
+    assert steps == {9}  # Adam's step count: three epochs of three steps
