@@ -220,3 +220,15 @@ def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(
     assert record["gpus"] == [] and record["peer_access"] == [] and record["dev_shm"]["total_bytes"] > 0
     for name in ("single", "ddp", "fsdp"):
         assert (working / "results" / f"lab0-{name}.json").is_file()
+
+
+def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
+    spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    url = site.kaggle_url("https://github.com/someone/distlab/", "main", "labs/lab_fsdp")
+    assert (
+        url
+        == "https://kaggle.com/kernels/welcome?src=https://github.com/someone/distlab/blob/main/notebooks/lab_fsdp.ipynb"
+    )
+    assert (ROOT / "notebooks" / "lab_fsdp.ipynb").is_file()

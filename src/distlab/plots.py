@@ -4,6 +4,7 @@ hardware from the records' own environment."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
@@ -690,3 +691,11 @@ def plot_fsdp_options(records: Sequence[dict], baseline: str = "fsdp"):
     fig.suptitle(f"measured on {hardware_label(records[0]['environment'])}", fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
+
+
+def jshtml(animation, default_mode: str = "once") -> str:
+    """An animation as HTML and JavaScript that plays on a static page, offline.
+    matplotlib's player links Font Awesome 4.4 from a CDN for its button icons;
+    the book's theme ships Font Awesome 6, which draws them, so the link goes."""
+    html = animation.to_jshtml(default_mode=default_mode)
+    return re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html)

@@ -1,0 +1,58 @@
+"""The book's own Sphinx extension: what the site needs that the theme does not do.
+
+* Each chapter (a MyST notebook) offers its executed notebook as a download,
+  as the labs do (myst-nb 1.x never gives the theme an ``ipynb_source``).
+* Sphinx 7.4 writes a body-only script twice (sphinx-doc/sphinx#13402, fixed
+  in 8.x), which makes the browser report a redeclared identifier.
+* Each lab page links "Open in Kaggle", once ``_config.yml`` names the
+  repository's public URL (``repository.url``); no link is made up before.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from sphinx.builders.html import StandaloneHTMLBuilder
+
+
+def _add_js_file_once(add):
+    # Sphinx 7.4 registers a body-only script (filename None) again as '' in prepare_writing.
+    def add_js_file(self, filename, **kwargs):
+        return add(self, filename or "", **kwargs)
+
+    return add_js_file
+
+
+def kaggle_url(repository_url: str, branch: str, pagename: str) -> str:
+    """Kaggle's import of a notebook from GitHub, for a lab page ``labs/<name>`` (the file is in ``notebooks/``)."""
+    name = pagename.split("/", 1)[1]
+    return f"https://kaggle.com/kernels/welcome?src={repository_url.rstrip('/')}/blob/{branch}/notebooks/{name}.ipynb"
+
+
+def _offer_notebook(app, pagename, templatename, context, doctree):
+    if context.get("page_source_suffix") in (None, ".ipynb"):
+        return
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if executed.is_file():
+        target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(executed, target)
+        context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def _open_in_kaggle(app, pagename, templatename, context, doctree):
+    options = app.config.html_theme_options or {}
+    repository = options.get("repository_url", "")
+    if not repository or not pagename.startswith("labs/") or "body" not in context:
+        return
+    url = kaggle_url(repository, options.get("repository_branch") or "main", pagename)
+    link = f'<p class="distlab-kaggle"><a class="reference external" href="{url}">Open in Kaggle</a></p>\n'
+    context["body"] = link + context["body"]
+
+
+def setup(app):
+    StandaloneHTMLBuilder.add_js_file = _add_js_file_once(StandaloneHTMLBuilder.add_js_file)
+    app.connect("html-page-context", _offer_notebook, priority=500)
+    app.connect("html-page-context", _open_in_kaggle, priority=500)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
