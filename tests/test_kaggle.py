@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from distlab import hardware
 
@@ -232,3 +233,13 @@ def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
         == "https://kaggle.com/kernels/welcome?src=https://github.com/someone/distlab/blob/main/notebooks/lab_fsdp.ipynb"
     )
     assert (ROOT / "notebooks" / "lab_fsdp.ipynb").is_file()
+
+
+def test_every_result_records_what_decides_nccl_transport(monkeypatch):
+    from distlab.results import environment
+
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    transport = environment()["nccl_transport"]
+    assert transport["settings"]["NCCL_P2P_DISABLE"] == "1"
+    assert transport["dev_shm"]["total_bytes"] > 0
+    assert len(transport["peer_access"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

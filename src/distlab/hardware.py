@@ -47,15 +47,15 @@ def _dev_shm(path: str = "/dev/shm") -> dict[str, int] | None:
     return {"total_bytes": stat.f_blocks * stat.f_frsize, "free_bytes": stat.f_bavail * stat.f_frsize}
 
 
-def survey() -> dict[str, Any]:
+def survey(topology: bool = True) -> dict[str, Any]:
     """The facts that decide NCCL's transport here. ``peer_access[i][j]``: can GPU i access GPU j's memory
-    (None on the diagonal); an empty list without GPUs."""
+    (None on the diagonal); an empty list without GPUs. ``topology=False`` skips ``nvidia-smi``."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     peer = lambda i, j: None if i == j else torch.cuda.can_device_access_peer(i, j)
     return {
         "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
         "peer_access": [[peer(i, j) for j in range(count)] for i in range(count)],
-        "topology": _topology() if count else None,
+        "topology": _topology() if count and topology else None,
         "dev_shm": _dev_shm(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

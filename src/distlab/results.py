@@ -94,11 +94,22 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
         "backend": None,
         "world_size": 1,
     }
+    env["nccl_transport"] = nccl_transport()
     if runtime is not None:
         device = runtime.device
         env.update(backend=runtime.backend, world_size=runtime.world_size, device=str(device))
         env["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else env["cpu"]
     return env
+
+
+def nccl_transport() -> dict[str, Any]:
+    """What decides how NCCL moves data between this machine's GPUs: the ``NCCL_*``
+    settings in effect, peer access between every pair of GPUs, and ``/dev/shm``."""
+    from .hardware import survey
+
+    facts = survey(topology=False)
+    settings = {key: value for key, value in sorted(os.environ.items()) if key.startswith("NCCL_")}
+    return {"settings": settings, "peer_access": facts["peer_access"], "dev_shm": facts["dev_shm"]}
 
 
 def hardware_label(env: dict[str, Any]) -> str:
