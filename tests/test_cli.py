@@ -343,3 +343,14 @@ def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy)
         expected = expected_state_bytes(metrics["parameters"], strategy, 2, units=units, rank=rank)
         assert {key: measured[key] for key in expected} == expected
         assert measured["peak"] >= sum(expected.values())
+
+
+def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
+    from distlab.launch import _failure_reason
+
+    banner = "distlab: fsdp | cnn (405,898 parameters) | synthetic | 2 rank(s)\n"
+    assert _failure_reason([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
+    crashed = _failure_reason(
+        [banner, "epoch 1/1 | train loss 2.2\n", "terminate called without an active exception\n"]
+    )
+    assert "terminate called" in crashed and "epoch 1/1" in crashed

@@ -77,10 +77,18 @@ def torchrun(
         raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped") from None
     output = "".join(lines)
     if process.returncode != 0:
-        ours = [line.strip() for line in lines if line.startswith("distlab:")]
-        reason = ours[0] if ours else (output.strip().splitlines() or ["no output"])[-1]
-        raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {reason}")
+        raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {_failure_reason(lines)}")
     return JobOutput(process.returncode, output)
+
+
+def _failure_reason(lines: list[str]) -> str:
+    """The line a failed job's ranks wrote about why (``distlab: error ...`` or ``distlab: rank ...``);
+    without one (a crash), the job's last lines that are not torchrun's own report."""
+    ours = [line.strip() for line in lines if line.startswith(("distlab: error", "distlab: rank"))]
+    if ours:
+        return ours[0]
+    last = [line.strip() for line in lines if line.strip() and not _torchrun_noise(line)][-6:]
+    return " | ".join(last) or "no output"
 
 
 def _without_folders(line: str) -> str:
