@@ -307,6 +307,27 @@ def test_step_bench_times_each_strategy_and_counts_its_traffic(tmp_path):
     assert set(rows["zero2"]["traffic"]) == {"reduce_scatter", "all_gather"}
 
 
+def test_fsdp_options_bench_measures_what_each_option_trades(tmp_path):
+    variants = "fsdp,keep_after_forward,checkpointing,bf16,zero3"
+    args = ["--model", "gpt-tiny", "--seq-len", "64", "--variants", variants, "--steps", "1", "--warmup", "0"]
+    done = run_torchrun(2, "distlab.bench.fsdp_options", *args, "--device", "cpu", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["variant"]: r for r in read_result(tmp_path / "fsdp-options-gpt-tiny-2xcpu.json")["metrics"]["variants"]}
+    assert list(rows) == variants.split(",")
+    peak = {name: row["memory"]["ranks"][0]["peak_by_category"] for name, row in rows.items()}
+    assert peak["keep_after_forward"]["gathered"] > peak["fsdp"]["gathered"]  # every block kept until backward
+    assert peak["checkpointing"]["activations"] < peak["fsdp"]["activations"]  # each block keeps only its input
+    assert peak["bf16"]["activations"] < peak["fsdp"]["activations"]  # half the bytes a value
+    # torch's FSDP2 and the course's ZeRO-3 hold the same bytes at their peak, but for Adam's step counters
+    # (4 bytes each): FSDP2 steps each parameter's shard, ZeRO-3 one flat shard per unit (the blocks and the root)
+    from distlab.models import build_model
+
+    model = build_model("gpt-tiny", device="meta")
+    extra_counters = len({id(p) for p in model.parameters()}) - (len(model.shard_units()) + 1)
+    fsdp, zero3 = (rows[name]["memory"]["ranks"][0]["peak"] for name in ("fsdp", "zero3"))
+    assert fsdp - zero3 == 4 * extra_counters
+
+
 def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "distlab.bench.step", "--model", "gpt-tiny", "--seq-len", "128", "--out", str(tmp_path)],
