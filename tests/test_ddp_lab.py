@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 
 from distlab.models import build_model
 from distlab.results import read_result
-from distlab.testing import ATOL, assert_same_state, run_torchrun, write_tiny_mnist
+from distlab.testing import ATOL, assert_same_state, run_torchrun, write_tiny_mnist, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "ddp_train.py"
@@ -20,10 +19,7 @@ LAB = ROOT / "notebooks" / "lab_ddp_mnist.ipynb"
 
 
 def test_the_lab_writes_the_script_byte_for_byte():
-    cells = ["".join(cell["source"]) for cell in json.loads(LAB.read_text())["cells"] if cell["cell_type"] == "code"]
-    written = [source for source in cells if source.startswith("%%writefile ddp_train.py\n")]
-    assert len(written) == 1, "the lab must write ddp_train.py in exactly one cell"
-    assert written[0].split("\n", 1)[1] == SCRIPT.read_text()
+    assert written_file(LAB, "ddp_train.py") == SCRIPT.read_text()
 
 
 def _ok(job) -> None:

@@ -3,7 +3,6 @@ what ``distlab.train --strategy fsdp`` trains, holding exactly the bytes the mem
 
 from __future__ import annotations
 
-import json
 import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from distlab.memory import expected_state_bytes, shard_unit_shapes
 from distlab.models import build_model, count_parameters
 from distlab.results import read_result
-from distlab.testing import run_torchrun, write_tiny_mnist
+from distlab.testing import run_torchrun, write_tiny_mnist, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "fsdp_train.py"
@@ -21,10 +20,7 @@ LAB = ROOT / "notebooks" / "lab_fsdp.ipynb"
 
 
 def test_the_lab_writes_the_script_byte_for_byte():
-    cells = ["".join(cell["source"]) for cell in json.loads(LAB.read_text())["cells"] if cell["cell_type"] == "code"]
-    written = [source for source in cells if source.startswith("%%writefile fsdp_train.py\n")]
-    assert len(written) == 1, "the lab must write fsdp_train.py in exactly one cell"
-    assert written[0].split("\n", 1)[1] == SCRIPT.read_text()
+    assert written_file(LAB, "fsdp_train.py") == SCRIPT.read_text()
 
 
 def _predicted_state(model: str, strategy: str, rank: int) -> int:

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
 import torch
 
@@ -113,10 +113,14 @@ def set_nccl_transport(facts: dict[str, Any], environ: MutableMapping[str, str] 
     return line
 
 
+def nccl_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The ``NCCL_*`` variables in effect: what the ranks launched from here will run with."""
+    return {name: value for name, value in sorted(environ.items()) if name.startswith("NCCL_")}
+
+
 def save(facts: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write the facts as JSON with the NCCL_* variables set now, what the ranks launched next will inherit."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    nccl_env = {name: value for name, value in sorted(os.environ.items()) if name.startswith("NCCL_")}
-    path.write_text(json.dumps({**facts, "nccl_env": nccl_env}, indent=2) + "\n")
+    path.write_text(json.dumps({**facts, "nccl_env": nccl_settings()}, indent=2) + "\n")
     return path

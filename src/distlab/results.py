@@ -105,11 +105,10 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
 def nccl_transport() -> dict[str, Any]:
     """What decides how NCCL moves data between this machine's GPUs: the ``NCCL_*``
     settings in effect, peer access between every pair of GPUs, and ``/dev/shm``."""
-    from .hardware import survey
+    from .hardware import nccl_settings, survey
 
     facts = survey(topology=False)
-    settings = {key: value for key, value in sorted(os.environ.items()) if key.startswith("NCCL_")}
-    return {"settings": settings, "peer_access": facts["peer_access"], "dev_shm": facts["dev_shm"]}
+    return {"settings": nccl_settings(), "peer_access": facts["peer_access"], "dev_shm": facts["dev_shm"]}
 
 
 def hardware_label(env: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ Functions run on ranks must be importable (module-level), because
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -72,6 +73,14 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: float = 300) -> s
         timeout=timeout,
         env=launcher_environment(1),
     )
+
+
+def written_file(notebook: Path, filename: str) -> str:
+    """What a lab notebook writes to ``filename`` with ``%%writefile``: the one cell that does, without the magic."""
+    cells = ["".join(c["source"]) for c in json.loads(Path(notebook).read_text())["cells"] if c["cell_type"] == "code"]
+    written = [source for source in cells if source.startswith(f"%%writefile {filename}\n")]
+    assert len(written) == 1, f"{Path(notebook).name} must write {filename} in exactly one cell"
+    return written[0].split("\n", 1)[1]
 
 
 def assert_same_state(actual: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL, label: str = "") -> None:

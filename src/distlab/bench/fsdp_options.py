@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass, replace
 
 from ..cli import BenchConfig, finish_run, option, parse
 from ..config import ParallelConfig
-from ..data import SyntheticTokens
 from ..models import GPT_PRESETS, count_parameters
 from ..runtime import DistlabError, distributed, run_main
 from .harness import round_robin, summarize_times
-from .step import Trainee, observe_memory
+from .step import Trainee, observe_memory, token_batch
 
 FSDP = ParallelConfig(strategy="fsdp")
 VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
@@ -71,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(FsdpOptionsConfig, argv)
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         names = [name for name in cfg.variants.split(",") if name and runnable(name, runtime.world_size)]
-        vocab = GPT_PRESETS[cfg.model].vocab_size
-        batch = SyntheticTokens(vocab, cfg.seq_len, cfg.batch_size, seed=1234 + runtime.rank)
-        tokens, targets = batch.data.to(runtime.device), batch.targets.to(runtime.device)
+        tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)
         trainees = {}
         for name in names:
             _, parallel, checkpointing = VARIANTS[name]

@@ -75,6 +75,12 @@ def strategy_trainee(name: str, cfg: StepBenchConfig, runtime) -> Trainee:
     return Trainee(parallel, cfg.model, runtime)
 
 
+def token_batch(model: str, seq_len: int, batch_size: int, runtime) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's batch of synthetic token sequences for a GPT preset (its own seed: each rank its own data)."""
+    batch = SyntheticTokens(GPT_PRESETS[model].vocab_size, seq_len, batch_size, seed=1234 + runtime.rank)
+    return batch.data.to(runtime.device), batch.targets.to(runtime.device)
+
+
 def observe_memory(trainee: Trainee, tokens, targets, runtime) -> list[dict] | None:
     """One step of ``trainee`` under the memory tracker: every rank's peak, its
     breakdown and timeline, and the state at the optimizer step; on rank 0."""
@@ -95,9 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse(StepBenchConfig, argv)
     names = [name for name in cfg.strategies.split(",") if name]
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
-        vocab = GPT_PRESETS[cfg.model].vocab_size
-        batch = SyntheticTokens(vocab, cfg.seq_len, cfg.batch_size, seed=1234 + runtime.rank)
-        tokens, targets = batch.data.to(runtime.device), batch.targets.to(runtime.device)
+        tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)
         trainees = {name: strategy_trainee(name, cfg, runtime) for name in names}
         parameters = count_parameters(next(iter(trainees.values())).model)
         runtime.log(
