@@ -1,0 +1,179 @@
+/* The memory calculator, in the reader's browser: bytes per rank by strategy, and whether they fit.
+ *
+ * distlabMemoryPerRank(inputs) is distlab.calculator.memory_per_rank, formula for formula, for a model
+ * cut into `shard_units` equal flat units (tests/test_calculator.py runs both on a grid of inputs and
+ * compares the bytes). Every <div class="distlab-calculator"> on a page (book/_static/calculator.html)
+ * is wired to it. Jupyter Book adds every .js file of book/_static to every page, so this file does
+ * nothing where there is no calculator. Under node it exports the pure functions instead.
+ */
+(function (root) {
+  "use strict";
+
+  const GIB = 2 ** 30;
+  // distlab.memory.BYTES_PER_VALUE: bytes per value of (parameters, gradients, optimizer state).
+  const BYTES_PER_VALUE = {
+    "adam,fp32": [4, 4, 8],
+    "adamw,fp32": [4, 4, 8],
+    "sgd,fp32": [4, 4, 4],
+    "adam,mixed": [2, 2, 12],
+    "adamw,mixed": [2, 2, 12],
+    "sgd,mixed": [2, 2, 8],
+  };
+  // distlab.memory.STEP_COUNTER_BYTES: Adam's float32 `step` per tensor it steps.
+  const STEP_COUNTER_BYTES = { adam: 4, adamw: 4, sgd: 0 };
+  const PRECISIONS = ["fp32", "mixed"];
+  const OPTIMIZERS = ["adam", "adamw", "sgd"];
+  // Row label -> ZeRO stage of distlab.memory.STAGE, and whether FSDP keeps every unit gathered.
+  const STRATEGIES = [
+    { label: "DDP", stage: 0 },
+    { label: "ZeRO-1", stage: 1 },
+    { label: "ZeRO-2", stage: 2 },
+    { label: "FSDP FULL_SHARD (ZeRO-3)", stage: 3, keepsGathered: false },
+    { label: "FSDP SHARD_GRAD_OP", stage: 3, keepsGathered: true },
+  ];
+
+  // Exact for the whole numbers this page meets (below 2**53): the float quotient is corrected.
+  function ceilDiv(a, b) {
+    let q = Math.floor(a / b);
+    while (q * b < a) q += 1;
+    while (q > 0 && (q - 1) * b >= a) q -= 1;
+    return q;
+  }
+
+  function isWhole(x) {
+    return typeof x === "number" && Number.isInteger(x);
+  }
+
+  function check(inputs) {
+    const { parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units } = inputs;
+    if (!isWhole(parameters) || parameters < 1) throw new Error("the model needs at least 1 parameter, a whole number");
+    if (!isWhole(gpus) || gpus < 1) throw new Error("GPUs must be a whole number of at least 1");
+    if (!(memory_gib > 0)) throw new Error("memory per GPU must be positive");
+    if (!PRECISIONS.includes(precision)) throw new Error(`precision must be one of ${PRECISIONS.join(", ")}`);
+    if (!OPTIMIZERS.includes(optimizer)) throw new Error(`optimizer must be one of ${OPTIMIZERS.join(", ")}`);
+    if (!(activations_gib >= 0)) throw new Error("activations must be 0 GiB or more");
+    if (!isWhole(shard_units) || shard_units < 1 || shard_units > parameters) {
+      throw new Error("shard units must be a whole number from 1 to the number of parameters");
+    }
+  }
+
+  /* Rows as distlab.calculator.memory_per_rank returns them: {strategy, parameters, gradients,
+   * optimizer_state, gathered, activations, total, fits}, bytes on rank 0 at its peak. */
+  function distlabMemoryPerRank(inputs) {
+    const full = { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32, ...inputs };
+    check(full);
+    const { parameters, gpus: n, memory_gib, precision, optimizer, activations_gib, shard_units } = full;
+    const perValue = BYTES_PER_VALUE[`${optimizer},${precision}`];
+    const stepBytes = STEP_COUNTER_BYTES[optimizer];
+    // distlab.calculator.equal_units: `larger` units of size+1 values, the rest of `size`, an empty root.
+    const size = Math.floor(parameters / shard_units);
+    const larger = parameters - size * shard_units;
+    const unitShard = (values) => ceilDiv(values, n); // FSDP2 pads each unit's dim 0 to a multiple of n
+    const fsdpShard = larger * unitShard(size + 1) + (shard_units - larger) * unitShard(size);
+    const largestGathered = unitShard(larger > 0 ? size + 1 : size) * n;
+    const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer padded to a multiple of n
+    const activations = Math.trunc(activations_gib * GIB);
+
+    return STRATEGIES.map(({ label, stage, keepsGathered }) => {
+      let values; // [parameters, gradients, optimizer state, step counters], values held by rank 0
+      let gathered = 0;
+      if (stage === 0) {
+        values = [parameters, parameters, parameters, 1];
+      } else if (stage < 3) {
+        values = [flatShard * n, stage === 2 ? flatShard : parameters, flatShard, 1];
+      } else {
+        values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
+        gathered = keepsGathered ? fsdpShard * n * perValue[0] : largestGathered * perValue[0];
+      }
+      const row = {
+        strategy: label,
+        parameters: values[0] * perValue[0],
+        gradients: values[1] * perValue[1],
+        optimizer_state: values[2] * perValue[2] + values[3] * stepBytes,
+        gathered,
+        activations,
+      };
+      row.total = row.parameters + row.gradients + row.optimizer_state + row.gathered + row.activations;
+      row.fits = row.total <= memory_gib * GIB;
+      return row;
+    });
+  }
+
+  function gib(bytes) {
+    return (bytes / GIB).toFixed(2);
+  }
+
+  function readInputs(form) {
+    const number = (name) => Number(form.elements[name].value);
+    return {
+      parameters: Math.round(number("billions") * 1e9),
+      gpus: number("gpus"),
+      memory_gib: number("memory_gib"),
+      precision: form.elements.precision.value,
+      optimizer: form.elements.optimizer.value,
+      activations_gib: number("activations_gib"),
+      shard_units: number("shard_units"),
+    };
+  }
+
+  function answer(inputs, rows) {
+    const fitting = rows.filter((row) => row.fits).map((row) => row.strategy);
+    const smallest = rows.reduce((best, row) => (row.total < best.total ? row : best));
+    const where = `${inputs.gpus} GPU${inputs.gpus === 1 ? "" : "s"} of ${inputs.memory_gib} GiB`;
+    const need = `the smallest, ${smallest.strategy}, needs ${gib(smallest.total)} GiB per GPU`;
+    if (!fitting.length) return `Nothing fits on ${where}: ${need}.`;
+    return `Fits on ${where} with ${fitting.join(", ")}; ${need}.`;
+  }
+
+  function render(calculator) {
+    const form = calculator.querySelector("form");
+    const output = calculator.querySelector("output");
+    const body = calculator.querySelector("tbody");
+    const inputs = readInputs(form);
+    let rows;
+    try {
+      rows = distlabMemoryPerRank(inputs);
+    } catch (error) {
+      output.textContent = `Check the inputs: ${error.message}.`;
+      body.replaceChildren();
+      return;
+    }
+    output.textContent = answer(inputs, rows);
+    body.replaceChildren(
+      ...rows.map((row) => {
+        const tr = document.createElement("tr");
+        const cells = [row.strategy, ...["parameters", "gradients", "optimizer_state", "gathered", "activations", "total"].map((key) => gib(row[key])), row.fits ? "fits" : "does not fit"];
+        for (const text of cells) {
+          const td = document.createElement("td");
+          td.textContent = text;
+          tr.append(td);
+        }
+        tr.className = row.fits ? "distlab-fits" : "distlab-does-not-fit";
+        return tr;
+      }),
+    );
+  }
+
+  function wireAll(document) {
+    for (const calculator of document.querySelectorAll(".distlab-calculator")) {
+      const form = calculator.querySelector("form");
+      if (!form || !calculator.querySelector("output") || !calculator.querySelector("tbody")) continue;
+      form.addEventListener("submit", (event) => event.preventDefault());
+      form.addEventListener("input", () => render(calculator));
+      form.addEventListener("change", () => render(calculator));
+      render(calculator);
+    }
+  }
+
+  const api = { distlabMemoryPerRank, BYTES_PER_VALUE, STEP_COUNTER_BYTES, GIB };
+  if (typeof module === "object" && module.exports) {
+    module.exports = api;
+  } else {
+    root.distlabMemoryPerRank = distlabMemoryPerRank;
+    if (root.document.readyState === "loading") {
+      root.document.addEventListener("DOMContentLoaded", () => wireAll(root.document));
+    } else {
+      wireAll(root.document);
+    }
+  }
+})(typeof window === "undefined" ? globalThis : window);

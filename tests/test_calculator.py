@@ -1,0 +1,167 @@
+"""The book's memory calculator computes, in JavaScript, exactly what the library's model computes.
+
+The same inputs go to ``distlab.calculator.memory_per_rank`` and to ``distlabMemoryPerRank`` of
+``book/_static/distlab-calculator.js`` (run by ``node`` where it is on PATH, else in Debian's Chromium
+through Playwright; skipped only without either); every byte of every row must agree. The defaults of
+the page's fragment (``book/_static/calculator.html``) are checked against the arithmetic by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distlab.calculator import GIB, OPTIMIZERS, PRECISIONS, ROW_FIELDS, STRATEGIES, memory_per_rank
+from distlab.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
+
+STATIC = Path(__file__).resolve().parents[1] / "book" / "_static"
+SCRIPT = STATIC / "distlab-calculator.js"
+FRAGMENT = STATIC / "calculator.html"
+NODE_RUNNER = """
+const calculator = require(process.argv[1]);
+const inputs = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const answer = (i) => { try { return calculator.distlabMemoryPerRank(i); } catch (e) { return {error: e.message}; } };
+process.stdout.write(JSON.stringify({
+  rows: inputs.map(answer),
+  constants: {bytes_per_value: calculator.BYTES_PER_VALUE, step_counter_bytes: calculator.STEP_COUNTER_BYTES},
+}));
+"""
+IN_PAGE = """inputs => ({
+  rows: inputs.map(i => { try { return distlabMemoryPerRank(i); } catch (e) { return {error: e.message}; } }),
+  constants: null,
+})"""
+
+
+def _in_chromium(inputs: list[dict]) -> dict:
+    chromium = shutil.which("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="neither node nor playwright to run the calculator")
+    if chromium is None:
+        pytest.skip("neither node nor Chromium to run the calculator's JavaScript")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.set_content("<!doctype html><html><body></body></html>")
+        page.add_script_tag(content=SCRIPT.read_text())
+        answer = page.evaluate(IN_PAGE, inputs)
+        browser.close()
+    return answer
+
+
+def run_calculator_js(inputs: list[dict]) -> dict:
+    """``{"rows": [rows or {"error": message}, one per input], "constants": the script's tables or None}``."""
+    node = shutil.which("node")
+    if node is None:
+        return _in_chromium(inputs)
+    done = subprocess.run(
+        [node, "-e", NODE_RUNNER, str(SCRIPT)], input=json.dumps(inputs), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _grid() -> list[dict]:
+    """Sizes from 1e6 to 7e10, odd ones included (their shards pad), on 1 to 8 GPUs, every precision and optimizer."""
+    sizes = [1_000_000, 1_234_567, 124_439_808, 7_000_000_000, 13_000_000_007, 70_000_000_000]
+    memories, activations, units = [16, 40, 80], [0.0, 1.5, 0.3], [1, 32, 7]
+    cases = itertools.product(sizes, range(1, 9), PRECISIONS, OPTIMIZERS)
+    return [
+        {
+            "parameters": size,
+            "gpus": gpus,
+            "memory_gib": memories[index % 3],
+            "precision": precision,
+            "optimizer": optimizer,
+            "activations_gib": activations[index % 3],
+            "shard_units": units[index % 3],
+        }
+        for index, (size, gpus, precision, optimizer) in enumerate(cases)
+    ]
+
+
+def test_the_page_and_the_library_agree_to_the_byte():
+    grid = _grid()
+    answer = run_calculator_js(grid)
+    differ = []
+    for inputs, browser_rows in zip(grid, answer["rows"], strict=True):
+        library_rows = memory_per_rank(**inputs)
+        if browser_rows != library_rows:
+            differ.append(f"{inputs}: library {library_rows} page {browser_rows}")
+    assert not differ, f"{len(differ)} of {len(grid)} inputs differ, e.g. {differ[0]}"
+    assert all(len(rows) == len(STRATEGIES) and set(rows[0]) == set(ROW_FIELDS) for rows in answer["rows"])
+    if answer["constants"] is not None:
+        assert answer["constants"]["bytes_per_value"] == {f"{o},{p}": list(v) for (o, p), v in BYTES_PER_VALUE.items()}
+        assert answer["constants"]["step_counter_bytes"] == STEP_COUNTER_BYTES
+
+
+def _fragment_defaults() -> dict:
+    """The inputs the page opens with, read from the fragment's <input value> and <option selected>."""
+    html = FRAGMENT.read_text()
+    values = dict(re.findall(r'<input name="(\w+)"[^>]*\svalue="([^"]*)"', html))
+    for name, options in re.findall(r'<select name="(\w+)">(.*?)</select>', html, re.S):
+        values[name] = re.search(r'<option value="(\w+)" selected>', options).group(1)
+    return {
+        "parameters": round(float(values.pop("billions")) * 1e9),
+        "gpus": int(values.pop("gpus")),
+        "memory_gib": float(values.pop("memory_gib")),
+        "activations_gib": float(values.pop("activations_gib")),
+        "shard_units": int(values.pop("shard_units")),
+        **values,
+    }
+
+
+def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
+    """The notes' "7B on 2 GPUs: ~14 GB each, fits" counts only the weights; with Adam nothing fits."""
+    defaults = _fragment_defaults()
+    assert defaults == {
+        "parameters": 7_000_000_000,
+        "gpus": 2,
+        "memory_gib": 16.0,
+        "precision": "mixed",
+        "optimizer": "adam",
+        "activations_gib": 0.0,
+        "shard_units": 32,
+    }
+    rows = {row["strategy"]: row for row in memory_per_rank(**defaults)}
+    p, half = 7_000_000_000, 3_500_000_000
+    unit_whole = 2 * -(-(p // 32) // 2) * 2  # one 218,750,000-value block, padded to 2 ranks, in bf16
+    assert rows["DDP"]["total"] == 16 * p + 4  # 2 + 2 + 12 bytes a parameter, one Adam step counter
+    assert rows["ZeRO-1"]["total"] == 2 * p + 2 * p + 12 * half + 4
+    assert rows["ZeRO-2"]["total"] == 2 * p + 2 * half + 12 * half + 4
+    assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] == 16 * half + 32 * 4 + unit_whole
+    assert rows["FSDP SHARD_GRAD_OP"]["total"] == 16 * half + 32 * 4 + 2 * p
+    assert not any(row["fits"] for row in rows.values())
+    assert min(rows.values(), key=lambda row: row["total"])["strategy"] == "FSDP FULL_SHARD (ZeRO-3)"
+    assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] > 3 * 16 * GIB  # over three times a T4's memory
+    assert run_calculator_js([defaults])["rows"][0] == list(rows.values())
+
+
+def test_memory_per_gpu_decides_fits_at_the_byte():
+    row = memory_per_rank(1_000_000, 1, 1.0, "fp32", "sgd")[0]  # DDP: 12 bytes a parameter, no step counter
+    exactly = row["total"] / GIB
+    assert memory_per_rank(1_000_000, 1, exactly, "fp32", "sgd")[0]["fits"]
+    assert not memory_per_rank(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[0]["fits"]
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"parameters": 0}, "parameters"),
+        ({"gpus": 1.5}, "gpus"),
+        ({"memory_gib": 0}, "memory_gib"),
+        ({"precision": "bf16"}, "precision"),
+        ({"optimizer": "lion"}, "optimizer"),
+        ({"shard_units": 2_000_000}, "shard_units"),
+    ],
+)
+def test_bad_input_is_one_line_on_both_sides(bad, says):
+    inputs = {"parameters": 1_000_000, "gpus": 2, "memory_gib": 16, "precision": "fp32", "optimizer": "adam"} | bad
+    with pytest.raises(ValueError, match=says) as raised:
+        memory_per_rank(**inputs)
+    assert "\n" not in str(raised.value)
+    assert "error" in run_calculator_js([inputs])["rows"][0]
