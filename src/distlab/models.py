@@ -268,7 +268,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     part. So a model sharded over any number of ranks starts from exactly the
     weights one process would have.
     """
-    tied = _tied_parameters(model)
+    own = getattr(model, "materialize", None)
+    if callable(own):  # a wrapper that shards as it initialises (the course's ZeRO-3)
+        return own(device, seed)
+    tied = tied_parameters(model)
     model.to_empty(device=device)
     for places in tied:  # to_empty gives each place its own tensor unless a sharding wrapper keeps the tie
         (owner, attr), rest = places[0], places[1:]
@@ -277,11 +280,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)  # the CPU's only: the draws happen there
         for module in model.modules():
-            _init_module_whole(model, module)
+            init_module_whole(model, module)
     return model
 
 
-def _init_module_whole(model: nn.Module, module: nn.Module) -> None:
+def init_module_whole(model: nn.Module, module: nn.Module) -> None:
     """Run ``model.init_module(module)`` on whole CPU copies of the module's own
     tensors, then copy into each tensor the part this rank holds."""
     held = {**module._parameters, **module._buffers}
@@ -325,7 +328,7 @@ def _my_part(whole: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Groups of (module, attribute) that hold one and the same parameter."""
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

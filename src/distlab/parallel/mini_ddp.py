@@ -69,9 +69,14 @@ class DataParallelWrapper(nn.Module):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.require_sync = True
-        broadcast_from_rank0(module, group)
-        self.params = [p for p in module.parameters() if p.requires_grad]
         self._callback_queued = False
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            return  # no weights yet: a wrapper that materialises them from one seed hooks them then
+        broadcast_from_rank0(module, group)
+        self._hook_gradients()
+
+    def _hook_gradients(self) -> None:
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..collectives import ring_all_gather, ring_reduce_scatter
-from ..models import require_shard_units
+from ..models import init_module_whole, require_shard_units, tied_parameters
 from ..runtime import DistlabError
 from .base import Strategy, _state_values, _unique
 from .flat_param import FlatParams, _single_tensor_collectives, clip_sharded_grad_norm_, reduce_scatter_flat
@@ -178,7 +178,13 @@ class ShardedParameters(DataParallelWrapper):
     ):
         super().__init__(module, group)  # broadcasts rank 0's weights; gradient hooks call _gradient_ready
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
-        sharded = self._shard(units, COLLECTIVES[collectives](group))
+        self._collectives, self._unit_modules = COLLECTIVES[collectives](group), units
+        if not any(p.is_meta for p in module.parameters()):
+            self._install(self._shard(units, self._collectives))
+        # else: built on meta, sharded by materialize() as it initialises each unit
+
+    def _install(self, sharded: list[ShardedUnit]) -> None:
+        module = self.module
         self.root = sharded[-1] if sharded and sharded[-1].module is module else None
         self.units = [unit for unit in sharded if unit is not self.root]
         # Forward gathers the root first, then the units; backward starts from the root's output.
@@ -193,18 +199,43 @@ class ShardedParameters(DataParallelWrapper):
         """A ShardedUnit per module with trainable parameters; the root, last, takes the rest
         (a tied weight, used by two modules, stays there and is gathered once)."""
         claimed: set[int] = set()
-        sharded = []
-        for module in [*units, self.module]:
-            if module is not self.module and any(id(p) in claimed for p in module.parameters()):
-                raise DistlabError(
-                    f"zero3: shard unit {type(module).__name__} shares a parameter with an earlier unit: "
-                    "units must not overlap (leave modules that share a weight to the root)"
-                )
-            params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
-            claimed.update(id(p) for p in params)
-            if params:
-                sharded.append(ShardedUnit(module, params, collectives, self.group))
-        return sharded
+        return [unit for module in [*units, self.module] for unit in self._shard_one(module, claimed, collectives)]
+
+    def _shard_one(self, module: nn.Module, claimed: set[int], collectives: TorchCollectives) -> list[ShardedUnit]:
+        if module is not self.module and any(id(p) in claimed for p in module.parameters()):
+            raise DistlabError(
+                f"zero3: shard unit {type(module).__name__} shares a parameter with an earlier unit: "
+                "units must not overlap (leave modules that share a weight to the root)"
+            )
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        return [ShardedUnit(module, params, collectives, self.group)] if params else []
+
+    def materialize(self, device: torch.device, seed: int) -> ShardedParameters:
+        """Initialise a model wrapped on ``meta`` (see :func:`distlab.models.materialize`): module by module,
+        drawing what one process drawing the whole model would, and each unit is cut to this rank's slice as
+        soon as its last module is initialised. A rank never holds more than the unfinished units whole."""
+        if not any(p.is_meta for p in self.module.parameters()):
+            raise DistlabError("zero3: materialize() is for a model wrapped on the meta device")
+        waiting, initialised, claimed, sharded = list(self._unit_modules), set(), set(), []
+        tied = tied_parameters(self.module)
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)  # the CPU's only: the draws happen there
+            for module in self.module.modules():
+                module.to_empty(device=device, recurse=False)
+                for (owner, attr), *others in tied:  # to_empty gave the tie's second holder a tensor of its own
+                    for holder, name in others:
+                        if holder is module:
+                            setattr(module, name, getattr(owner, attr))
+                init_module_whole(self.module, module)
+                initialised.add(module)
+                while waiting and all(m in initialised for m in waiting[0].modules()):
+                    sharded += self._shard_one(waiting.pop(0), claimed, self._collectives)
+        for module in [*waiting, self.module]:
+            sharded += self._shard_one(module, claimed, self._collectives)
+        self._install(sharded)
+        self._hook_gradients()
+        return self
 
     def shard_parameters(self) -> list[nn.Parameter]:
         """What this rank stores of the trainable model, and what its optimizer steps."""
@@ -299,11 +330,6 @@ class Zero3(Strategy):
 
     def wrap(self, model, runtime):
         units = require_shard_units(model, self.name)
-        if any(p.is_meta for p in model.parameters()):
-            raise DistlabError(
-                "zero3 shards a model each rank has built whole, but this one is on the meta device "
-                "(the loop builds models of 50M parameters or more there): use --strategy fsdp for models this large"
-            )
         collectives = self.collectives
         if collectives == "auto":
             collectives = "ring" if runtime.backend == "gloo" else "torch"
