@@ -1,15 +1,25 @@
 """The built site, where one exists (`jupyter-book build book` writes it; CI builds it after
-the tests and runs this file again): no machine paths on any page, and no cell whose output
-breaks into a column of boxes (one per printed line, as unmerged streams render)."""
+the tests and runs this file again): no machine paths on any page, no cell whose output
+breaks into a column of boxes (one per printed line, as unmerged streams render), and every
+link of the claims ledger (book/claims.md) reaching an existing anchor of an existing page.
+
+Without a built site the ledger's data (book/claims.yml) is checked on its own: every claim has
+a finding, every checked claim evidence, and every evidence label a `(label)=` line before a
+heading in some book/*.md, which is what lets the page's {ref} roles resolve.
+"""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
-SITE = Path(__file__).resolve().parents[1] / "_build" / "html"
+BOOK = Path(__file__).resolve().parents[1] / "book"
+SITE = BOOK.parent / "_build" / "html"
+CLAIMS = BOOK / "claims.yml"
 
 
 MOST_OUTPUT_BOXES_PER_CELL = 4
@@ -37,3 +47,99 @@ def test_each_cell_shows_at_most_a_few_output_boxes():
             if boxes > MOST_OUTPUT_BOXES_PER_CELL:
                 crowded.append(f"{page.relative_to(SITE)} cell {index}: {boxes} boxes")
     assert not crowded, f"cells with more than {MOST_OUTPUT_BOXES_PER_CELL} output boxes: {crowded}"
+
+
+NOTES = {"000", "001", "002", "003", "004"}
+TOPICS = {"pin_memory", "DDP", "ring", "FSDP", "speed-ups", "scaling", "memory", "platforms"}
+FINDINGS = {"holds", "wrong", "holds only when", "not checked"}
+MUST_BE_LISTED = {
+    "cnn-120k-parameters": "the CNN's 120K parameters",
+    "fsdp-all-reduces-gradients": "FSDP all-reducing gradients",
+    "two-to-three-times-communication": "2-3x more communication",
+    "7b-fsdp-14gb-fits": "7B with FSDP on 2 GPUs at 14 GB",
+    "min-num-params-1m": "min_num_params=1M on the CNN",
+    "vit-l-18-to-10-gb": "ViT-L 18 GB -> 10 GB",
+    "1b-10b-cannot-fit": "1B-10B cannot fit on one GPU",
+    "fsdp-scales-better-8-plus": "FSDP scales better at 8+ GPUs",
+    "scaling-numbers": "1.9/3.5/6x against 1.8/3.7/7.5x",
+    "ddp-overhead-5-10-percent": "DDP overhead 5-10 %",
+    "pinned-10-15-percent-transfer": "pin_memory 10-15 %",
+    "non-blocking-5-10-percent": "non_blocking 5-10 %",
+    "pinned-combined-15-20-percent": "combined 15-20 %",
+    "colab-no-nccl": "Colab has no NCCL",
+    "macos-full-nccl": "macOS has full NCCL",
+    "shard-grad-op-only-grads-optimizer": "SHARD_GRAD_OP shards only gradients and optimizer state",
+}
+LABEL = re.compile(r"^\(([\w-]+)\)=$")
+
+
+def _claims() -> list[dict]:
+    return yaml.safe_load(CLAIMS.read_text())
+
+
+def _labels_before_headings() -> dict[str, str]:
+    """``(label)=`` lines of book/*.md followed (after blank lines) by a heading: label -> page."""
+    found = {}
+    for page in sorted(BOOK.glob("*.md")):
+        lines = page.read_text().splitlines()
+        for index, line in enumerate(lines):
+            match = LABEL.match(line)
+            following = next((later for later in lines[index + 1 :] if later.strip()), "")
+            if match and following.startswith("#"):
+                found[match.group(1)] = page.name
+    return found
+
+
+def test_every_claim_has_a_finding_and_checked_ones_their_evidence():
+    claims = _claims()
+    ids = Counter(claim["id"] for claim in claims)
+    assert not [name for name, count in ids.items() if count > 1], "claim ids must be unique"
+    wrong = {}
+    for claim in claims:
+        problems = [f"no {key}" for key in ("claim", "notes", "topic", "finding", "why") if not claim.get(key)]
+        problems += [f"notes {claim['notes']} not among {sorted(NOTES)}"] if not set(claim.get("notes", [])) <= NOTES else []
+        problems += [f"topic {claim.get('topic')!r}"] if claim.get("topic") not in TOPICS else []
+        problems += [f"finding {claim.get('finding')!r} not one of {sorted(FINDINGS)}"] if claim.get("finding") not in FINDINGS else []
+        if (claim.get("finding") == "holds only when") != bool(claim.get("when")):
+            problems.append("a 'when' goes with 'holds only when', and only with it")
+        if claim.get("finding") != "not checked" and not claim.get("evidence"):
+            problems.append("checked, but no evidence")
+        if problems:
+            wrong[claim.get("id", "?")] = problems
+    assert not wrong, f"claims.yml: {wrong}"
+    missing = {name: what for name, what in MUST_BE_LISTED.items() if name not in ids}
+    assert not missing, f"claims the ledger must list: {missing}"
+    assert {claim["topic"] for claim in claims} == TOPICS
+
+
+def test_every_evidence_label_is_a_section_of_the_book():
+    labels = _labels_before_headings()
+    unknown = sorted({label for claim in _claims() for label in claim["evidence"] if label not in labels})
+    assert not unknown, f"evidence labels with no `(label)=` line before a heading in book/*.md: {unknown}"
+
+
+def test_the_ledger_page_shows_every_topic():
+    page = (BOOK / "claims.md").read_text()
+    absent = sorted(topic for topic in TOPICS if f"{{glue:md}} claims-{topic}\n" not in page)
+    assert not absent, f"book/claims.md shows no table for the topics {absent}"
+
+
+def test_every_ledger_link_reaches_an_anchor():
+    _pages()
+    ledger = SITE / "claims.html"
+    assert ledger.is_file(), "the built site has no claims.html: is `claims` in _toc.yml?"
+    html = ledger.read_text()
+    tables = re.findall(r"<table.*?</table>", html, re.S)
+    unresolved = [m for table in tables for m in re.findall(r'<span class="xref std std-ref">([^<]*)</span>', table)]
+    assert not unresolved, f"evidence labels Sphinx could not resolve: {unresolved}"
+    links = [href for table in tables for href in re.findall(r'<a class="reference internal" href="([^"]*)"', table)]
+    assert len(links) == sum(len(claim["evidence"]) for claim in _claims())
+    broken = []
+    for href in links:
+        path, _, anchor = href.partition("#")
+        target = (ledger.parent / path) if path else ledger
+        if not target.is_file():
+            broken.append(f"{href}: no such page")
+        elif anchor and f'id="{anchor}"' not in target.read_text(errors="replace"):
+            broken.append(f"{href}: no element with id {anchor!r}")
+    assert not broken, f"ledger links that lead nowhere: {broken}"
