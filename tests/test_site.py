@@ -90,22 +90,27 @@ def _labels_before_headings() -> dict[str, str]:
     return found
 
 
+def _problems(claim: dict) -> list[str]:
+    """What is missing or unknown in one entry of claims.yml."""
+    problems = [f"no {key}" for key in ("claim", "notes", "topic", "finding", "why") if not claim.get(key)]
+    if not set(claim.get("notes") or []) <= NOTES:
+        problems.append(f"notes {claim['notes']} not among {sorted(NOTES)}")
+    if claim.get("topic") not in TOPICS:
+        problems.append(f"topic {claim.get('topic')!r} not one of {sorted(TOPICS)}")
+    if claim.get("finding") not in FINDINGS:
+        problems.append(f"finding {claim.get('finding')!r} not one of {sorted(FINDINGS)}")
+    if (claim.get("finding") == "holds only when") != bool(claim.get("when")):
+        problems.append("a 'when' goes with 'holds only when', and only with it")
+    if claim.get("finding") != "not checked" and not claim.get("evidence"):
+        problems.append("checked, but no evidence")
+    return problems
+
+
 def test_every_claim_has_a_finding_and_checked_ones_their_evidence():
     claims = _claims()
     ids = Counter(claim["id"] for claim in claims)
     assert not [name for name, count in ids.items() if count > 1], "claim ids must be unique"
-    wrong = {}
-    for claim in claims:
-        problems = [f"no {key}" for key in ("claim", "notes", "topic", "finding", "why") if not claim.get(key)]
-        problems += [f"notes {claim['notes']} not among {sorted(NOTES)}"] if not set(claim.get("notes", [])) <= NOTES else []
-        problems += [f"topic {claim.get('topic')!r}"] if claim.get("topic") not in TOPICS else []
-        problems += [f"finding {claim.get('finding')!r} not one of {sorted(FINDINGS)}"] if claim.get("finding") not in FINDINGS else []
-        if (claim.get("finding") == "holds only when") != bool(claim.get("when")):
-            problems.append("a 'when' goes with 'holds only when', and only with it")
-        if claim.get("finding") != "not checked" and not claim.get("evidence"):
-            problems.append("checked, but no evidence")
-        if problems:
-            wrong[claim.get("id", "?")] = problems
+    wrong = {claim.get("id", "?"): _problems(claim) for claim in claims if _problems(claim)}
     assert not wrong, f"claims.yml: {wrong}"
     missing = {name: what for name, what in MUST_BE_LISTED.items() if name not in ids}
     assert not missing, f"claims the ledger must list: {missing}"

@@ -44,7 +44,9 @@ def equal_units(parameters: int, shard_units: int) -> list[list[Shape]]:
     return [[(size + 1,)] for _ in range(larger)] + [[(size,)] for _ in range(shard_units - larger)] + [[]]
 
 
-def expected_shard_grad_op_gathered_bytes(world_size: int, units: Sequence[Sequence[Shape]], bytes_per_value: int) -> int:
+def expected_shard_grad_op_gathered_bytes(
+    world_size: int, units: Sequence[Sequence[Shape]], bytes_per_value: int
+) -> int:
     """The gathered parameters FSDP holds at its peak with ``reshard_after_forward=False`` (FSDP1's
     SHARD_GRAD_OP): every unit stays whole from its forward until its backward, so at the end of
     forward all of them are gathered at once, each padded as FSDP2 pads it."""
