@@ -130,6 +130,8 @@ GPT_PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, vocab_size=256, seq_len=64),
     # about 14M parameters: big enough that communication and optimizer state matter, small enough for a CPU
     "gpt-mini": GPTConfig(n_layer=6, n_head=6, d_model=384, vocab_size=8192, seq_len=256),
+    # between the two, so a sweep on a small machine has three sizes at every world size
+    "gpt-34m": GPTConfig(n_layer=8, n_head=8, d_model=512, vocab_size=16384, seq_len=256),
     "gpt-small": GPTConfig(n_layer=12, n_head=12, d_model=768),
     "gpt-medium": GPTConfig(n_layer=24, n_head=16, d_model=1024),
     "gpt-large": GPTConfig(n_layer=36, n_head=20, d_model=1280),

@@ -60,9 +60,10 @@ def round_robin(
     repeats: int,
     warmup: int = 0,
     prepare: Callable[[str], None] | None = None,
+    after: Callable[[str], None] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of every step, taking turns, each repetition's time
-    the slowest rank's. ``prepare(name)`` runs untimed before each call."""
+    the slowest rank's. ``prepare(name)`` runs untimed before each call, ``after(name)`` after it."""
     local: dict[str, list[float]] = {name: [] for name in steps}
     for rep in range(warmup + repeats):
         for name, step in steps.items():
@@ -75,9 +76,34 @@ def round_robin(
             synchronize(runtime.device)
             if rep >= warmup:
                 local[name].append(time.perf_counter() - start)
+            if after is not None:
+                after(name)
     slowest = {}
     for name, times in local.items():
         tensor = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # after the timing, so it disturbs none of it
         slowest[name] = tensor.tolist()
     return slowest
+
+
+class Progress:
+    """A progress bar for a long benchmark, on rank 0: one line each tenth of the way, with the time left.
+    Work is counted in units the caller chooses (steps, or steps weighted by what each costs)."""
+
+    def __init__(self, runtime: Runtime, total: float, width: int = 20):
+        self.runtime, self.total, self.width = runtime, max(total, 1), width
+        self.done, self.shown, self.started = 0.0, 0, time.perf_counter()
+
+    def advance(self, *what: str, work: float = 1.0) -> None:
+        self.done += work
+        tenth = 10 * self.done // self.total
+        if tenth <= self.shown:
+            return
+        self.shown = tenth
+        elapsed = time.perf_counter() - self.started
+        left = elapsed * (self.total - self.done) / self.done
+        filled = int(self.width * self.done // self.total)
+        self.runtime.log(
+            f"  [{'#' * filled}{'-' * (self.width - filled)}] {int(100 * self.done // self.total):3d}% "
+            f"{' '.join(what)}: {elapsed / 60:.1f} min so far, about {left / 60:.1f} min left"
+        )

@@ -58,7 +58,10 @@ class Trainee:
         model = build_model(model_name, device="meta")
         if activation_checkpointing:
             checkpoint_activations(model, model_name)
-        self.model = self.strategy.wrap(materialize(model, runtime.device, seed=0), runtime)
+        if self.strategy.shards_parameters:  # sharded before it has weights: no rank ever holds it whole
+            self.model = materialize(self.strategy.wrap(model, runtime), runtime.device, seed=0)
+        else:
+            self.model = self.strategy.wrap(materialize(model, runtime.device, seed=0), runtime)
         self.optimizer = self.strategy.make_optimizer(self.model, lambda params: torch.optim.Adam(params, lr=1e-4))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
@@ -81,9 +84,9 @@ def token_batch(model: str, seq_len: int, batch_size: int, runtime) -> tuple[tor
     return batch.data.to(runtime.device), batch.targets.to(runtime.device)
 
 
-def observe_memory(trainee: Trainee, tokens, targets, runtime) -> list[dict] | None:
+def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = True) -> list[dict] | None:
     """One step of ``trainee`` under the memory tracker: every rank's peak, its
-    breakdown and timeline, and the state at the optimizer step; on rank 0."""
+    breakdown and (with ``timeline``) timeline, and the state at the optimizer step; on rank 0."""
     at_step = {}
     handle = trainee.optimizer.register_step_pre_hook(
         lambda *_: at_step.update(state_bytes(trainee.strategy, trainee.model, trainee.optimizer))
@@ -92,8 +95,11 @@ def observe_memory(trainee: Trainee, tokens, targets, runtime) -> list[dict] | N
     with MemoryTracker(categories, trainee.model) as tracker:
         trainee.step(tokens, targets)
     handle.remove()
-    timeline = [{"event": s.event, "phase": s.phase, "total": s.total, **s.by_category} for s in tracker.timeline]
-    mine = {**at_step, "peak": tracker.peak_bytes, "peak_by_category": tracker.peak_by_category, "timeline": timeline}
+    mine = {**at_step, "peak": tracker.peak_bytes, "peak_by_category": tracker.peak_by_category}
+    if timeline:
+        mine["timeline"] = [
+            {"event": s.event, "phase": s.phase, "total": s.total, **s.by_category} for s in tracker.timeline
+        ]
     return gather_per_rank(mine, runtime)
 
 

@@ -1,0 +1,294 @@
+"""What one optimizer step costs each rank, by strategy: its time and its peak memory, predicted.
+
+    step time = compute + optimizer step + communication - overlap
+
+* compute: the FLOPs of forward and backward (:func:`training_flops`) over a throughput, plus a fixed
+  cost per step; both fitted to steps timed with no communication at all (:class:`ComputeModel`), or,
+  for a GPU, its cited peak times a cited achieved fraction;
+* optimizer step: the values this rank steps (all of them when replicated, 1/N when sharded) times
+  a cost per value, fitted the same way;
+* communication: every collective the strategy issues (:func:`collective_calls`), each costed by
+  the fit of that collective on that backend (:class:`CollectiveModel`: ``alpha + bytes * beta``;
+  on GPUs ``steps * alpha + bytes sent / bus bandwidth``). A backend's own algorithm is in its fit:
+  gloo's reduce-scatter runs a whole all-reduce underneath, NCCL's is a ring reduce-scatter;
+* overlap: none where the collectives run on the same cores as the compute (gloo on a CPU); on GPUs,
+  the collectives of all but the last bucket or unit may hide behind backward (an upper bound).
+
+    peak memory = parameters + gradients + optimizer state (:func:`distlab.memory.expected_state_bytes`)
+                  + gathered whole parameters + buffers a strategy keeps + activations
+
+with activations measured once per model and batch (they do not depend on the strategy), and the
+parts alive at the peak chosen by where the peak falls (:func:`predict_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
+from .models import GPT_PRESETS
+
+DDP_FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+BUCKET_BYTES = 25 << 20  # torch DDP's and the course's default bucket cap
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+RING_FACTOR["reduce_scatter"] = RING_FACTOR["all_gather"]
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}
+
+
+def training_flops(model: str, tokens: int, seq_len: int) -> float:
+    """Forward + backward FLOPs of one step of a GPT preset on ``tokens`` tokens: 3x the forward's
+    2 FLOPs per weight per token in every matrix product (the head's too), plus attention's scores
+    and weighted sum (2 x 2 T d per token per layer, computed whole under the causal mask)."""
+    cfg = GPT_PRESETS[model]
+    matmul_weights = cfg.n_layer * 12 * cfg.d_model**2 + cfg.d_model * cfg.vocab_size
+    forward_per_token = 2 * matmul_weights + 4 * cfg.n_layer * seq_len * cfg.d_model
+    return 3 * forward_per_token * tokens
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` weighted by 1/y (relative errors), with ``a, b >= 0``."""
+    w = [1 / y for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    a, b = ((sy * sxx - sx * sxy) / det, (sw * sxy - sx * sy) / det) if det > 0 else (0.0, sy / max(sx, 1e-30))
+    if a < 0:  # through the origin
+        a, b = 0.0, sxy / sxx
+    if b < 0:
+        a, b = sy / sw, 0.0
+    return a, b
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Forward + backward: ``overhead_s + flops / flops_per_s``; the optimizer step:
+    ``optimizer_overhead_s + values * optimizer_s_per_value``. Fitted per world size."""
+
+    overhead_s: float
+    flops_per_s: float
+    optimizer_overhead_s: float
+    optimizer_s_per_value: float
+
+    @classmethod
+    def fit(cls, presets: Sequence[dict]) -> ComputeModel:
+        """From a sweep's ``local`` calibration (the same model trained with no communication)."""
+        flops = [training_flops(p["model"], p["tokens_per_rank"], p["seq_len"]) for p in presets]
+        overhead, per_flop = _line(flops, [p["local"]["compute_s"] for p in presets])
+        opt_overhead, per_value = _line(
+            [p["parameters"] for p in presets], [p["local"]["optimizer_s"] for p in presets]
+        )
+        return cls(overhead, 1 / per_flop if per_flop > 0 else math.inf, opt_overhead, per_value)
+
+    def compute_s(self, flops: float) -> float:
+        return self.overhead_s + flops / self.flops_per_s
+
+    def optimizer_s(self, values: float) -> float:
+        return self.optimizer_overhead_s + values * self.optimizer_s_per_value
+
+
+@dataclass(frozen=True)
+class CollectiveModel:
+    """One collective on one backend: ``alpha_s + bytes * beta_s_per_byte``, with ``bytes`` the whole
+    tensor (an all-gather's output, a reduce-scatter's input)."""
+
+    collective: str
+    impl: str
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time_s(self, size: float) -> float:
+        return self.alpha_s + size * self.beta_s_per_byte
+
+    @property
+    def bus_GBps(self) -> float:
+        """The bandwidth the fit implies, nccl-tests' way (bytes a ring sends per rank over the time)."""
+        return math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte / 1e9
+
+    @classmethod
+    def fit(cls, rows: Sequence[dict], collective: str, impl: str) -> CollectiveModel:
+        points = [(r["bytes"], r["time_s"]) for r in rows if r["collective"] == collective and r["impl"] == impl]
+        alpha, beta = _line([p[0] for p in points], [p[1] for p in points])
+        return cls(collective, impl, alpha, beta)
+
+    @classmethod
+    def nccl(cls, collective: str, world_size: int, bus_bytes_per_s: float, step_s: float, base_s: float):
+        """A GPU ring from cited figures: ``base + steps * latency + (bytes sent per rank) / bus bandwidth``."""
+        n = world_size
+        return cls(
+            collective,
+            "nccl",
+            base_s + RING_STEPS[collective](n) * step_s,
+            RING_FACTOR[collective](n) / bus_bytes_per_s,
+        )
+
+
+def fit_collectives(rows: Sequence[dict]) -> dict[tuple[str, str], CollectiveModel]:
+    """(collective, impl) -> its fit, for every pair a sweep timed."""
+    pairs = sorted({(r["collective"], r["impl"]) for r in rows})
+    return {pair: CollectiveModel.fit(rows, *pair) for pair in pairs}
+
+
+def _flat_bytes(shapes: Sequence[Shape], n: int, per_parameter_padding: bool, bytes_per_value: int = 4) -> int:
+    if per_parameter_padding:  # FSDP2: each parameter's dim 0 padded to a multiple of n
+        return sum(-(-s[0] // n) * n * math.prod(s[1:]) if len(s) else n for s in shapes) * bytes_per_value
+    return -(-sum(math.prod(s) for s in shapes) // n) * n * bytes_per_value
+
+
+def _buckets(units: Sequence[Sequence[Shape]], first: int, cap: int, bytes_per_value: int = 4) -> list[int]:
+    """Bucket sizes, filled in reverse parameter order (gradients become ready back to front)."""
+    sizes = [math.prod(s) * bytes_per_value for unit in units for s in unit]
+    buckets, current, limit = [], 0, first
+    for size in reversed(sizes):
+        if current and current + size > limit:
+            buckets.append(current)
+            current, limit = 0, cap
+        current += size
+    return buckets + ([current] if current else [])
+
+
+def collective_calls(
+    variant: str, units: Sequence[Sequence[Shape]], n: int, backend: str
+) -> list[tuple[str, str, int]]:
+    """(collective, implementation, bytes) of every collective one step of ``variant`` issues on ``n``
+    ranks: ``units`` are the trainable parameters' shapes by shard unit, the root's last.
+    The course's ZeRO-3 uses its ring on gloo and torch's collectives elsewhere."""
+    if n == 1:
+        return []
+    padded = _flat_bytes([s for unit in units for s in unit], n, False)
+    if variant == "ddp":
+        return [("all_reduce", "torch", b) for b in _buckets(units, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES)]
+    if variant == "zero1":
+        return [("all_reduce", "torch", b) for b in _buckets(units, BUCKET_BYTES, BUCKET_BYTES)] + [
+            ("all_gather", "torch", padded)
+        ]
+    if variant == "zero2":
+        return [("reduce_scatter", "torch", padded), ("all_gather", "torch", padded)]
+    if variant in ("zero3", "zero3-no-reshard", "fsdp", "fsdp-no-reshard"):
+        fsdp = variant.startswith("fsdp")
+        impl = "torch" if fsdp or backend != "gloo" else "ring"
+        gathers = 1 if variant.endswith("no-reshard") else 2
+        calls = []
+        for index, unit in enumerate(u for u in units if u):
+            size = _flat_bytes(unit, n, fsdp)
+            root = index == len([u for u in units if u]) - 1 and bool(units[-1])
+            calls += [("all_gather", impl, size)] * (1 if root else gathers) + [("reduce_scatter", impl, size)]
+        return calls
+    raise ValueError(f"no collectives known for {variant!r}")
+
+
+STRATEGY_OF = {"zero3-no-reshard": "zero3", "fsdp-no-reshard": "fsdp"}
+
+
+def stepped_values(variant: str, parameters: int, n: int, units: Sequence[Sequence[Shape]]) -> int:
+    """Values this rank's optimizer steps: every one when replicated, its shard when sharded."""
+    state = expected_state_bytes(parameters, STRATEGY_OF.get(variant, variant), n, "adam", "fp32", units)
+    return state["optimizer_state"] // BYTES_PER_VALUE["adam", "fp32"][2]
+
+
+def predict_step_s(
+    variant: str,
+    model: str,
+    tokens: int,
+    seq_len: int,
+    n: int,
+    units: Sequence[Sequence[Shape]],
+    compute: ComputeModel,
+    collectives: dict[tuple[str, str], CollectiveModel],
+    backend: str = "gloo",
+    overlap: float = 0.0,
+) -> dict[str, float]:
+    """The parts of one step's time on one rank. ``overlap``: the share of the communication of all
+    but the last collective that hides behind backward (0 on a CPU: the same cores do both)."""
+    parameters = sum(math.prod(s) for unit in units for s in unit)
+    calls = collective_calls(variant, units, n, backend)
+    times = [collectives[collective, impl].time_s(size) for collective, impl, size in calls]
+    flops_s = compute.compute_s(training_flops(model, tokens, seq_len))
+    hidden = min(overlap * sum(times[:-1]), 2 / 3 * flops_s)  # backward is about 2/3 of the FLOPs
+    parts = {
+        "compute_s": flops_s,
+        "optimizer_s": compute.optimizer_s(stepped_values(variant, parameters, n, units)),
+        "communication_s": sum(times) - hidden,
+    }
+    return parts | {"total_s": sum(parts.values()), "calls": len(calls)}
+
+
+def predict_peak_bytes(
+    variant: str, n: int, units: Sequence[Sequence[Shape]], activations: int, backward_extra: int = 0
+) -> dict[str, int]:
+    """The most one rank holds during a step (fp32 Adam), the largest of three moments:
+
+    * end of forward: the state it keeps, the units still gathered, and every activation
+      (``activations``: their high-water mark, measured once for the model and batch);
+    * during backward, for strategies that produce whole gradients (ddp, zero1): the state it keeps
+      plus ``backward_extra``, the gradients and activations alive together at that moment, measured
+      once with no communication at all (the calibration's peak less its parameters and optimizer state);
+    * the optimizer step: the state with its gradients, plus Adam's temporaries (two of the stepped size).
+
+    Replicated gradients keep DDP's buckets (torch DDP, and the course's ZeRO-1 that all-reduces like it)."""
+    parameters = sum(math.prod(s) for unit in units for s in unit)
+    strategy = STRATEGY_OF.get(variant, variant)
+    state = expected_state_bytes(parameters, strategy, n, "adam", "fp32", units)
+    buckets = 4 * parameters if variant in ("ddp", "zero1") and n > 1 else 0
+    if variant.endswith("no-reshard"):
+        gathered = sum(_flat_bytes(unit, n, strategy == "fsdp") for unit in units if unit)
+    else:
+        gathered = expected_gathered_bytes(strategy, n, [u for u in units if u])
+    kept = state["parameters"] + state["optimizer_state"] + buckets
+    stepped = stepped_values(variant, parameters, n, units)
+    moments = {
+        "end_of_forward": kept + gathered + activations,
+        "backward": kept + backward_extra if variant in ("ddp", "zero1", "single") else 0,
+        "optimizer_step": kept + state["gradients"] + 2 * 4 * stepped,
+    }
+    return {"peak": max(moments.values()), **moments, **state, "gathered": gathered, "buckets": buckets}
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def error_summary(errors: Sequence[float]) -> dict[str, float]:
+    magnitudes = [abs(e) for e in errors]
+    return {"points": len(errors), "median_abs": statistics.median(magnitudes), "max_abs": max(magnitudes)}
+
+
+def evaluate(result: dict) -> list[dict]:
+    """Every point of one sweep result (one world size): the model's step time and peak memory next
+    to the measured ones. The model's inputs come from the same run's calibration (the steps with no
+    communication, the collectives' timings, the activations' high-water mark), never from the
+    strategies' own measurements."""
+    metrics, n = result["metrics"], result["environment"]["world_size"]
+    backend = result["environment"].get("backend", "gloo")
+    compute = ComputeModel.fit(metrics["presets"])
+    collectives = fit_collectives(metrics["collectives"])
+    rows = []
+    for preset in metrics["presets"]:
+        units = [[tuple(s) for s in unit] for unit in preset["units"]]
+        local = max(preset["local"]["memory"]["ranks"], key=lambda rank: rank["peak"])
+        activations = local["activations_peak"]
+        backward_extra = local["peak"] - local["parameters"] - local["optimizer_state"]
+        for row in preset["variants"]:
+            step = predict_step_s(
+                row["variant"], preset["model"], preset["tokens_per_rank"], preset["seq_len"], n, units, compute,
+                collectives, backend,
+            )  # fmt: skip
+            memory = predict_peak_bytes(row["variant"], n, units, activations, backward_extra)
+            measured_peak = max(rank["peak"] for rank in row["memory"]["ranks"])
+            rows.append(
+                {
+                    "model": preset["model"],
+                    "world_size": n,
+                    "variant": row["variant"],
+                    "measured_s": row["time_s"],
+                    "predicted_s": step["total_s"],
+                    "time_error": relative_error(step["total_s"], row["time_s"]),
+                    "measured_peak": measured_peak,
+                    "predicted_peak": memory["peak"],
+                    "peak_error": relative_error(memory["peak"], measured_peak),
+                    "parts_s": {k: v for k, v in step.items() if k.endswith("_s") and k != "total_s"},
+                }
+            )
+    return rows
