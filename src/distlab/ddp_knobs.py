@@ -12,8 +12,6 @@ sync; the compression hooks; uneven inputs under ``Join``. The second command ru
 from __future__ import annotations
 
 import copy
-import re
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -30,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .bench.harness import round_robin, summarize_times
 from .cli import BenchConfig, finish_run, option, parse
 from .parallel.replicated import TorchDDP
-from .runtime import DistlabError, Runtime, distributed, run_main
+from .runtime import DistlabError, Runtime, collective_site, distributed, run_main
 from .testing import ATOL, RTOL
 from .traffic import TrafficCounter
 
@@ -280,6 +278,12 @@ def comm_hooks(runtime: Runtime, cfg) -> dict:
     return rows
 
 
+JOIN_FIX = (
+    "the ranks ran different numbers of steps, so their collectives never matched: "
+    "wrap the training loop in torch.distributed.algorithms.join.Join([model])"
+)
+
+
 def uneven_inputs(runtime: Runtime, cfg, join: bool = True) -> dict:
     """Rank r has ``uneven_batches + r`` batches; after its loop each rank waits at a barrier, as a script
     does before rank 0 saves a checkpoint."""
@@ -287,36 +291,22 @@ def uneven_inputs(runtime: Runtime, cfg, join: bool = True) -> dict:
     optimizer, mine = torch.optim.SGD(model.parameters(), lr=cfg.lr), cfg.uneven_batches + runtime.rank
     data = batches(runtime, mine, cfg.batch_size, (64,), seed=100 + runtime.rank)
     started, scales = time.perf_counter(), []
-    try:
-        with Join([model]) if join else nullcontext():
-            for step, (x, y) in enumerate(data):
-                where = f"the gradient all-reduce of its batch {step + 1}"
+    uneven = dict(fix=JOIN_FIX, this_rank=f"{mine} batches")
+    with Join([model]) if join else nullcontext():
+        for step, (x, y) in enumerate(data):
+            with collective_site(f"the gradient all-reduce of its batch {step + 1}", **uneven):
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
-                if step >= cfg.uneven_batches:  # the other ranks have joined: compare with this rank's own gradient
-                    alone = copy.deepcopy(model.module)
-                    alone.zero_grad(set_to_none=True)
-                    F.cross_entropy(alone(x), y).backward()
-                    scales.append((model.module[0].weight.grad.norm() / alone[0].weight.grad.norm()).item())
-                optimizer.step()
-        where = "the barrier after its loop"
+            if step >= cfg.uneven_batches:  # the other ranks have joined: compare with this rank's own gradient
+                alone = copy.deepcopy(model.module)
+                alone.zero_grad(set_to_none=True)
+                F.cross_entropy(alone(x), y).backward()
+                scales.append((model.module[0].weight.grad.norm() / alone[0].weight.grad.norm()).item())
+            optimizer.step()
+    with collective_site("the barrier after its loop", **uneven):
         dist.barrier()  # every rank done before, say, rank 0 saves a checkpoint
-        batches_done = torch.tensor([float(mine)], device=runtime.device)
-        dist.all_reduce(batches_done)
-    except RuntimeError as err:  # gloo: this rank's timeout, or a peer's that closed the connection first
-        if not re.search(r"timed out|by peer", str(err), re.IGNORECASE):
-            raise
-        first = str(err).strip().splitlines()[0]
-        torch_says = re.sub(r"^\[[^\]]*\]\s*|\s*\[[^\]]*\]:\d+", "", first).split(". ")[0]  # no source path, no port
-        stopped = f"stopped in {where}, which its peers never matched ({torch_says})"
-        print(f"distlab: rank {runtime.rank} ({mine} batches) {stopped}", file=sys.stderr, flush=True)
-        # torchrun stops the job as soon as one rank exits. The ranks fail within milliseconds of each other;
-        # rank 0 leaves first, after a moment's grace that lets every rank's line out.
-        time.sleep(1.0 if runtime.is_main else 2.0)
-        raise DistlabError(
-            "the ranks ran different numbers of steps, so their collectives never matched: "
-            "wrap the training loop in torch.distributed.algorithms.join.Join([model])"
-        ) from None
+    batches_done = torch.tensor([float(mine)], device=runtime.device)
+    dist.all_reduce(batches_done)
     every_scale = [None] * runtime.world_size  # measured on the ranks that went on alone
     dist.all_gather_object(every_scale, scales)
     return {

@@ -13,7 +13,10 @@ is already initialised is reused and left alone on exit.
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -164,11 +167,109 @@ def gather_per_rank(value: Any, runtime: Runtime) -> list[Any] | None:
     return gathered
 
 
+@contextmanager
+def collective_site(where: str, fix: str = "", this_rank: str = "") -> Iterator[None]:
+    """Name the collectives run inside, for the line :func:`run_main` writes if their peers never match them.
+
+    ``where`` says what this rank was doing ("the barrier after its loop"), ``fix`` what the user should
+    change, ``this_rank`` what sets this rank apart ("3 batches"). The innermost site wins.
+    """
+    try:
+        yield
+    except Exception as err:
+        if collective_failure(err) and not hasattr(err, "distlab_site"):
+            err.distlab_site, err.distlab_fix, err.distlab_rank = where, fix, this_rank
+        raise
+
+
+_PEER_FAILURE = re.compile(
+    r"Timed out waiting|Connection (closed|reset) by peer|failed to pass monitoredBarrier|"
+    r"Detected mismatch between collectives|Broken pipe",
+    re.IGNORECASE,
+)
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """What went wrong in a collective, or None: ``mismatch`` (TORCH_DISTRIBUTED_DEBUG=DETAIL compared the
+    ranks' calls), ``timeout`` (this rank waited its whole timeout), ``peer`` (a peer left or broke the
+    connection). torch raises gloo's failures as a plain RuntimeError, NCCL's and the store's as DistError."""
+    text = str(err)
+    if isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and _PEER_FAILURE.search(text)):
+        if "Detected mismatch between collectives" in text:
+            return "mismatch"
+        return "timeout" if re.search(r"timed out|timeout", text, re.IGNORECASE) else "peer"
+    return None
+
+
+def _fingerprint(text: str) -> tuple[str, str]:
+    """``CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[4], ...)`` -> ``ALLREDUCE [4] #2``,
+    and the sequence number alone."""
+    op, seq = re.search(r"OpType=(\w+)", text), re.search(r"SequenceNumber=(\d+)", text)
+    shape = re.search(r"TensorShape=(\[[^\]]*\])", text)
+    return " ".join(x for x in (op and op[1], shape and shape[1], seq and f"#{seq[1]}") if x), seq and seq[1]
+
+
+def torch_says(err: BaseException) -> str:
+    """torch's reason, short: its first sentence without source paths or ports; for a mismatch
+    TORCH_DISTRIBUTED_DEBUG=DETAIL found, the collective each rank was in."""
+    text = str(err).strip()
+    if "Detected mismatch between collectives" in text:
+        mine, _, theirs = text.partition(", but Rank ")
+        (me, my_seq), (peer, peer_seq) = _fingerprint(mine), _fingerprint(theirs.split("Collectives differ")[0])
+        rank, other = re.search(r"Rank (\d+) is running", mine), re.match(r"(\d+)", theirs)
+        # torch's check is itself a collective: a peer at another position in the sequence reports the check's
+        # own operation (a GATHER, a REDUCE), so only a peer at the same position is named; its line says the rest.
+        peer = f"rank {other and other[1]} in {peer}" if peer_seq == my_seq else "the other rank in another collective"
+        return f"TORCH_DISTRIBUTED_DEBUG=DETAIL: rank {rank and rank[1]} is in {me}, {peer}"
+    first = text.splitlines()[0] if text else type(err).__name__
+    first = re.sub(r"^(\[[^\]]*\]:?\s*)+|\s*\[[^\]]*\]:\d+", "", first)  # no source path, no address
+    return first.split(". ")[0]
+
+
+def _site_in_traceback(err: BaseException) -> str:
+    """The collective ``err`` came out of, from its traceback: the torch.distributed function the user's
+    code called (or the first torch function, e.g. ``backward``), and the line that called it."""
+    frames = traceback.extract_tb(err.__traceback__)
+    in_torch = [f.filename.startswith(os.path.dirname(torch.__file__)) for f in frames]
+    first = in_torch.index(True) if True in in_torch else len(frames)
+    caller = frames[first - 1] if first > 0 else None
+    called = [
+        f.name
+        for f in frames[first:]
+        if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_") and f.name != "wrapper"
+    ]
+    name = called[0] if called else frames[first].name if first < len(frames) else "a collective"
+    return f"{name}()" + (f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else "")
+
+
+COLLECTIVE_FIXES = {
+    "mismatch": "every rank must call the same collectives, in the same order, on tensors of the same shape: "
+    "make the code path that differs run on every rank",
+    "timeout": "a rank waited in a collective its peers never called (one skipped it, called another, or is "
+    "still busy): rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL to see which, or raise --timeout-s for a slow rank",
+    "peer": "another rank failed or left first: read its error above",
+}
+
+
+def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> None:
+    """One line for this rank (which collective, torch's reason); rank 0 adds the fix."""
+    who = f"rank {rank} ({err.distlab_rank})" if getattr(err, "distlab_rank", "") else f"rank {rank}"
+    where = getattr(err, "distlab_site", None) or _site_in_traceback(err)
+    say(f"distlab: {who} stopped in {where}, which its peers never matched ({torch_says(err)})")
+    if "LOCAL_RANK" in os.environ:
+        # torchrun stops the job as soon as one rank exits. The ranks fail within milliseconds of each other;
+        # rank 0 leaves first, after a moment's grace that lets every rank's line out.
+        time.sleep(1.0 if rank == "0" else 2.0)
+    if rank == "0":
+        say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[kind]}")
+
+
 def run_main(main, argv=None) -> None:
     """Call ``main(argv)`` and turn the errors a user can fix into one line.
 
-    A :class:`DistlabError` is the user's to fix; a ``DistError`` on one rank
-    usually means another rank died first, whose own message is the one to read.
+    A :class:`DistlabError` is the user's to fix. A collective whose peers never matched it (a timeout, a
+    peer gone, a mismatch found by TORCH_DISTRIBUTED_DEBUG=DETAIL) is one line per rank: which rank, in
+    which collective, and torch's reason; rank 0 adds what to change.
     """
     rank = os.environ.get("RANK", "0")
 
@@ -182,13 +283,6 @@ def run_main(main, argv=None) -> None:
         if rank == "0" or err.every_rank:
             say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
         raise SystemExit(2) from None
-    except dist.DistError as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        say(
-            f"distlab: rank {rank} lost contact with its peers ({first_line}); another rank most likely "
-            "failed first: read its error above"
-        )
-        raise SystemExit(3) from None
     except _OUT_OF_MEMORY as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
         say(
@@ -199,6 +293,12 @@ def run_main(main, argv=None) -> None:
     except KeyboardInterrupt:
         say(f"distlab: rank {rank} interrupted")
         raise SystemExit(130) from None
+    except Exception as err:
+        kind = collective_failure(err)
+        if kind is None:
+            raise
+        report_collective_failure(err, kind, rank, say)
+        raise SystemExit(3) from None
     if "LOCAL_RANK" in os.environ and "PYTEST_CURRENT_TEST" not in os.environ:
         # A torchrun rank whose job is done (results written, group destroyed) skips interpreter
         # shutdown: there, once in a few hundred runs, a gloo thread still being torn down aborts the
