@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-measure the results the book plots from book/results/, on this machine.
 #
-#   bash scripts/reproduce_results.sh            # everything (about 25 minutes on 2 cores)
+#   bash scripts/reproduce_results.sh            # everything (about 45 minutes on 2 cores)
 #   bash scripts/reproduce_results.sh ring step  # some of it
 #
 # Results carry the git commit they were measured at, so the tree must be
@@ -24,7 +24,7 @@ run() {  # run RANKS MODULE ARGS...: torchrun on this machine's CPU with gloo, t
 }
 
 what=("$@")
-[ ${#what[@]} -eq 0 ] && what=(ring shard step fsdp)
+[ ${#what[@]} -eq 0 ] && what=(ring shard step fsdp sweep)
 
 for item in "${what[@]}"; do
     case "$item" in
@@ -46,8 +46,12 @@ for item in "${what[@]}"; do
         for n in 2 4; do
             run "$n" distlab.bench.fsdp_options --model gpt-mini --steps 10 --out book/results/fsdp
         done ;;
+    sweep)  # DDP against ZeRO-1/2/3 and FSDP2 on GPT presets, with the cost model's calibration (about 20 minutes)
+        for n in 1 2 4; do
+            run "$n" distlab.bench.sweep --out book/results/sweep
+        done ;;
     *)
-        echo "reproduce_results: unknown item $item (use ring, shard, step, fsdp)" >&2
+        echo "reproduce_results: unknown item $item (use ring, shard, step, fsdp, sweep)" >&2
         exit 2 ;;
     esac
 done

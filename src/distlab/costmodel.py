@@ -39,13 +39,14 @@ RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1
 
 
 def training_flops(model: str, tokens: int, seq_len: int) -> float:
-    """Forward + backward FLOPs of one step of a GPT preset on ``tokens`` tokens: 3x the forward's
-    2 FLOPs per weight per token in every matrix product (the head's too), plus attention's scores
-    and weighted sum (2 x 2 T d per token per layer, computed whole under the causal mask)."""
+    """Forward + backward FLOPs of one step of a GPT preset on ``tokens`` tokens, as torch's FLOP
+    counter counts them: 2 per weight per token in every matrix product (the head's too), 3x for
+    forward + backward; attention's scores and weighted sum, 2 x 2 T d per token per layer (computed
+    whole under the causal mask), 3.5x for forward + backward (its backward recomputes the scores)."""
     cfg = GPT_PRESETS[model]
     matmul_weights = cfg.n_layer * 12 * cfg.d_model**2 + cfg.d_model * cfg.vocab_size
-    forward_per_token = 2 * matmul_weights + 4 * cfg.n_layer * seq_len * cfg.d_model
-    return 3 * forward_per_token * tokens
+    attention_per_token = 4 * cfg.n_layer * seq_len * cfg.d_model
+    return (3 * 2 * matmul_weights + 3.5 * attention_per_token) * tokens
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -150,18 +151,19 @@ def _buckets(units: Sequence[Sequence[Shape]], first: int, cap: int, bytes_per_v
 
 
 def collective_calls(
-    variant: str, units: Sequence[Sequence[Shape]], n: int, backend: str
+    variant: str, units: Sequence[Sequence[Shape]], n: int, backend: str, bytes_per_value: int = 4
 ) -> list[tuple[str, str, int]]:
     """(collective, implementation, bytes) of every collective one step of ``variant`` issues on ``n``
     ranks: ``units`` are the trainable parameters' shapes by shard unit, the root's last.
     The course's ZeRO-3 uses its ring on gloo and torch's collectives elsewhere."""
     if n == 1:
         return []
-    padded = _flat_bytes([s for unit in units for s in unit], n, False)
+    b = bytes_per_value
+    padded = _flat_bytes([s for unit in units for s in unit], n, False, b)
     if variant == "ddp":
-        return [("all_reduce", "torch", b) for b in _buckets(units, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES)]
+        return [("all_reduce", "torch", b) for b in _buckets(units, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, b)]
     if variant == "zero1":
-        return [("all_reduce", "torch", b) for b in _buckets(units, BUCKET_BYTES, BUCKET_BYTES)] + [
+        return [("all_reduce", "torch", b) for b in _buckets(units, BUCKET_BYTES, BUCKET_BYTES, b)] + [
             ("all_gather", "torch", padded)
         ]
     if variant == "zero2":
@@ -172,7 +174,7 @@ def collective_calls(
         gathers = 1 if variant.endswith("no-reshard") else 2
         calls = []
         for index, unit in enumerate(u for u in units if u):
-            size = _flat_bytes(unit, n, fsdp)
+            size = _flat_bytes(unit, n, fsdp, b)
             root = index == len([u for u in units if u]) - 1 and bool(units[-1])
             calls += [("all_gather", impl, size)] * (1 if root else gathers) + [("reduce_scatter", impl, size)]
         return calls
@@ -216,32 +218,47 @@ def predict_step_s(
 
 
 def predict_peak_bytes(
-    variant: str, n: int, units: Sequence[Sequence[Shape]], activations: int, backward_extra: int = 0
+    variant: str,
+    n: int,
+    units: Sequence[Sequence[Shape]],
+    activations: int,
+    backward_extra: int = 0,
+    precision: str = "fp32",
 ) -> dict[str, int]:
-    """The most one rank holds during a step (fp32 Adam), the largest of three moments:
+    """The most one rank holds during a step with Adam: the largest of the moments below, on top of
+    the state it keeps all along (its parameters and optimizer state, and, where gradients are
+    all-reduced whole, DDP's buckets: torch DDP's and the course's ZeRO-1's).
 
-    * end of forward: the state it keeps, the units still gathered, and every activation
-      (``activations``: their high-water mark, measured once for the model and batch);
-    * during backward, for strategies that produce whole gradients (ddp, zero1): the state it keeps
-      plus ``backward_extra``, the gradients and activations alive together at that moment, measured
-      once with no communication at all (the calibration's peak less its parameters and optimizer state);
-    * the optimizer step: the state with its gradients, plus Adam's temporaries (two of the stepped size).
-
-    Replicated gradients keep DDP's buckets (torch DDP, and the course's ZeRO-1 that all-reduces like it)."""
+    * start of backward: every activation (``activations``, their high-water mark, measured once for
+      the model and batch), the units still gathered, and one unit's worth more: the gradient a
+      sharding strategy is flattening to reduce-scatter, or FSDP2's all-gather buffer;
+    * during backward, where gradients come whole (ddp, zero1): ``backward_extra``, the gradients and
+      activations alive together at that moment, measured once with no communication at all;
+    * end of backward (the course's ZeRO-2): whole gradients, their flat copy and gloo's reduce-scatter
+      buffer, three times the gradients' size;
+    * the optimizer step: the gradients it steps; the course's ZeRO-1 also holds a flat copy of the whole
+      gradient and its own slice. (torch's Adam allocates nothing of the model's size here.)"""
     parameters = sum(math.prod(s) for unit in units for s in unit)
     strategy = STRATEGY_OF.get(variant, variant)
-    state = expected_state_bytes(parameters, strategy, n, "adam", "fp32", units)
-    buckets = 4 * parameters if variant in ("ddp", "zero1") and n > 1 else 0
+    value_bytes = BYTES_PER_VALUE["adam", precision][1]
+    state = expected_state_bytes(parameters, strategy, n, "adam", precision, units)
+    whole_gradients = parameters * value_bytes
+    buckets = whole_gradients if variant in ("ddp", "zero1") else 0  # allocated on one rank too
+    sharded_units = [u for u in units if u]
     if variant.endswith("no-reshard"):
-        gathered = sum(_flat_bytes(unit, n, strategy == "fsdp") for unit in units if unit)
+        gathered = sum(_flat_bytes(unit, n, strategy == "fsdp", value_bytes) for unit in sharded_units)
     else:
-        gathered = expected_gathered_bytes(strategy, n, [u for u in units if u])
+        gathered = expected_gathered_bytes(strategy, n, sharded_units, value_bytes)
+    largest_unit = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in sharded_units[:-1]), default=0)
+    in_flight = largest_unit if strategy in ("zero3", "fsdp") else 0
     kept = state["parameters"] + state["optimizer_state"] + buckets
-    stepped = stepped_values(variant, parameters, n, units)
     moments = {
-        "end_of_forward": kept + gathered + activations,
-        "backward": kept + backward_extra if variant in ("ddp", "zero1", "single") else 0,
-        "optimizer_step": kept + state["gradients"] + 2 * 4 * stepped,
+        "start_of_backward": kept + gathered + activations + in_flight,
+        "backward": kept + backward_extra if strategy in ("ddp", "zero1", "single") else 0,
+        "end_of_backward": kept + 3 * whole_gradients if strategy == "zero2" else 0,
+        "optimizer_step": kept
+        + state["gradients"]
+        + (whole_gradients + -(-whole_gradients // n) if strategy == "zero1" else 0),
     }
     return {"peak": max(moments.values()), **moments, **state, "gathered": gathered, "buckets": buckets}
 
