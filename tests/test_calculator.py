@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from distlab.calculator import GIB, OPTIMIZERS, PRECISIONS, ROW_FIELDS, STRATEGIES, memory_per_rank
+from distlab.calculator import (
+    GIB,
+    OPTIMIZERS,
+    PRECISIONS,
+    ROW_FIELDS,
+    STRATEGIES,
+    largest_fitting_parameters,
+    memory_per_rank,
+)
 from distlab.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
 
 STATIC = Path(__file__).resolve().parents[1] / "book" / "_static"
@@ -26,16 +34,21 @@ FRAGMENT = STATIC / "calculator.html"
 NODE_RUNNER = """
 const calculator = require(process.argv[1]);
 const inputs = JSON.parse(require("fs").readFileSync(0, "utf8"));
-const answer = (i) => { try { return calculator.distlabMemoryPerRank(i); } catch (e) { return {error: e.message}; } };
+const attempt = (f) => (i) => { try { return f(i); } catch (e) { return {error: e.message}; } };
 process.stdout.write(JSON.stringify({
-  rows: inputs.map(answer),
+  rows: inputs.map(attempt(calculator.distlabMemoryPerRank)),
+  largest: inputs.map(attempt(calculator.distlabLargestFitting)),
   constants: {bytes_per_value: calculator.BYTES_PER_VALUE, step_counter_bytes: calculator.STEP_COUNTER_BYTES},
 }));
 """
-IN_PAGE = """inputs => ({
-  rows: inputs.map(i => { try { return distlabMemoryPerRank(i); } catch (e) { return {error: e.message}; } }),
-  constants: null,
-})"""
+IN_PAGE = """inputs => {
+  const attempt = f => i => { try { return f(i); } catch (e) { return {error: e.message}; } };
+  return {
+    rows: inputs.map(attempt(distlabMemoryPerRank)),
+    largest: inputs.map(attempt(distlabLargestFitting)),
+    constants: null,
+  };
+}"""
 
 
 def _in_chromium(inputs: list[dict]) -> dict:
@@ -54,7 +67,8 @@ def _in_chromium(inputs: list[dict]) -> dict:
 
 
 def run_calculator_js(inputs: list[dict]) -> dict:
-    """``{"rows": [rows or {"error": message}, one per input], "constants": the script's tables or None}``."""
+    """``{"rows": [...], "largest": [...]}``, one answer (or ``{"error": message}``) per input, and
+    ``"constants"``: the script's tables (None when run in a page)."""
     node = shutil.which("node")
     if node is None:
         return _in_chromium(inputs)
@@ -97,6 +111,35 @@ def test_the_page_and_the_library_agree_to_the_byte():
     if answer["constants"] is not None:
         assert answer["constants"]["bytes_per_value"] == {f"{o},{p}": list(v) for (o, p), v in BYTES_PER_VALUE.items()}
         assert answer["constants"]["step_counter_bytes"] == STEP_COUNTER_BYTES
+
+
+def test_the_page_and_the_library_agree_on_the_largest_model_that_fits():
+    machines = [
+        inputs | {"memory_gib": memory, "activations_gib": activations}
+        for inputs, memory, activations in zip(
+            [case for case in _grid() if case["parameters"] == 7_000_000_000],
+            itertools.cycle([16, 80, 40.5]),
+            itertools.cycle([0.0, 2.5, 0.3, 0.0]),
+        )
+    ]
+    machines += [machines[0] | {"memory_gib": 0.5, "activations_gib": 1.0}]  # nothing fits at all
+    machines += [machines[0] | {"gpus": 1024, "memory_gib": 100_000}]  # FSDP fits the largest model tried
+    answer = run_calculator_js(machines)["largest"]
+    differ = []
+    for inputs, page in zip(machines, answer, strict=True):
+        library = largest_fitting_parameters(**{k: v for k, v in inputs.items() if k != "parameters"})
+        if page != library:
+            differ.append(f"{inputs}: library {library} page {page}")
+    assert not differ, f"{len(differ)} of {len(machines)} differ, e.g. {differ[0]}"
+
+
+def test_the_largest_model_that_fits_is_the_threshold():
+    largest = largest_fitting_parameters(2, 16.0, "mixed", "adam", 0.5, 32)
+    for label, parameters in largest.items():
+        index = list(STRATEGIES).index(label)
+        assert memory_per_rank(parameters, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
+        assert not memory_per_rank(parameters + 1, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
+    assert largest["DDP"] == (16 * GIB - GIB // 2 - 4) // 16  # 16 bytes a parameter and one step counter
 
 
 def _fragment_defaults() -> dict:

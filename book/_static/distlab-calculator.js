@@ -59,9 +59,17 @@
 
   /* Rows as distlab.calculator.memory_per_rank returns them: {strategy, parameters, gradients,
    * optimizer_state, gathered, activations, total, fits}, bytes on rank 0 at its peak. */
+  function withDefaults(inputs) {
+    return { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32, ...inputs };
+  }
+
   function distlabMemoryPerRank(inputs) {
-    const full = { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32, ...inputs };
+    const full = withDefaults(inputs);
     check(full);
+    return rowsFor(full);
+  }
+
+  function rowsFor(full) {
     const { parameters, gpus: n, memory_gib, precision, optimizer, activations_gib, shard_units } = full;
     const perValue = BYTES_PER_VALUE[`${optimizer},${precision}`];
     const stepBytes = STEP_COUNTER_BYTES[optimizer];
@@ -99,8 +107,44 @@
     });
   }
 
+  // distlab.calculator.LARGEST_SEARCHED: every byte count below it stays an exact integer here.
+  const LARGEST_SEARCHED = 1e14;
+
+  /* distlab.calculator.largest_fitting_parameters: {strategy label: the most parameters that fit}, by
+   * bisection over the parameter count (totals never fall as it grows). */
+  function distlabLargestFitting(inputs) {
+    const full = withDefaults(inputs);
+    full.parameters = full.shard_units; // the smallest model with that many units: checks the other inputs
+    check(full);
+    const largest = {};
+    STRATEGIES.forEach(({ label }, index) => {
+      const fits = (parameters) => rowsFor({ ...full, parameters })[index].fits;
+      if (!fits(full.shard_units)) {
+        largest[label] = 0;
+      } else if (fits(LARGEST_SEARCHED)) {
+        largest[label] = LARGEST_SEARCHED;
+      } else {
+        let fitting = full.shard_units;
+        let tooLarge = LARGEST_SEARCHED;
+        while (tooLarge - fitting > 1) {
+          const middle = Math.floor((fitting + tooLarge) / 2);
+          if (fits(middle)) fitting = middle;
+          else tooLarge = middle;
+        }
+        largest[label] = fitting;
+      }
+    });
+    return largest;
+  }
+
   function gib(bytes) {
     return (bytes / GIB).toFixed(2);
+  }
+
+  function modelSize(parameters) {
+    if (parameters >= LARGEST_SEARCHED) return `at least ${LARGEST_SEARCHED / 1e9} B`;
+    if (parameters === 0) return "none";
+    return parameters >= 1e9 ? `${(parameters / 1e9).toFixed(2)} B` : `${(parameters / 1e6).toFixed(1)} M`;
   }
 
   function readInputs(form) {
@@ -138,11 +182,15 @@
       body.replaceChildren();
       return;
     }
+    const { parameters, ...sameMachine } = inputs;
+    const largest = distlabLargestFitting(sameMachine);
     output.textContent = answer(inputs, rows);
     body.replaceChildren(
       ...rows.map((row) => {
         const tr = document.createElement("tr");
-        const cells = [row.strategy, ...["parameters", "gradients", "optimizer_state", "gathered", "activations", "total"].map((key) => gib(row[key])), row.fits ? "fits" : "does not fit"];
+        const sizes = ["parameters", "gradients", "optimizer_state", "gathered", "total"];
+        const fitText = row.fits ? "yes" : "no";
+        const cells = [row.strategy, ...sizes.map((key) => gib(row[key])), fitText, modelSize(largest[row.strategy])];
         for (const text of cells) {
           const td = document.createElement("td");
           td.textContent = text;
@@ -165,11 +213,12 @@
     }
   }
 
-  const api = { distlabMemoryPerRank, BYTES_PER_VALUE, STEP_COUNTER_BYTES, GIB };
+  const api = { distlabMemoryPerRank, distlabLargestFitting, BYTES_PER_VALUE, STEP_COUNTER_BYTES, GIB };
   if (typeof module === "object" && module.exports) {
     module.exports = api;
   } else {
     root.distlabMemoryPerRank = distlabMemoryPerRank;
+    root.distlabLargestFitting = distlabLargestFitting;
     if (root.document.readyState === "loading") {
       root.document.addEventListener("DOMContentLoaded", () => wireAll(root.document));
     } else {

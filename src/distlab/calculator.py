@@ -71,6 +71,32 @@ def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, 
         raise ValueError(f"shard_units must be a whole number from 1 to parameters ({parameters}), not {shard_units!r}")
 
 
+def _row(
+    label: str,
+    parameters: int,
+    gpus: int,
+    memory_gib: float,
+    precision: str,
+    optimizer: str,
+    activations: int,
+    shard_units: int,
+) -> dict:
+    """One strategy's row of :func:`memory_per_rank` (inputs already checked)."""
+    strategy = STRATEGIES[label]
+    units = equal_units(parameters, shard_units)
+    parameter_bytes = BYTES_PER_VALUE[optimizer, precision][0]
+    sharded_units = units if strategy == "fsdp" else None  # zero1/zero2 cut one flat buffer
+    state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
+    if label == "FSDP SHARD_GRAD_OP":
+        gathered = expected_shard_grad_op_gathered_bytes(gpus, units, parameter_bytes)
+    else:
+        gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
+    total = state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations
+    return {"strategy": label, **state, "gathered": gathered, "activations": activations, "total": total} | {
+        "fits": total <= memory_gib * GIB
+    }
+
+
 def memory_per_rank(
     parameters: int,
     gpus: int,
@@ -89,20 +115,47 @@ def memory_per_rank(
     same for every strategy: they depend on batch, sequence and model), their ``total`` and
     ``fits = total <= memory_gib`` GiB."""
     _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units)
-    units = equal_units(parameters, shard_units)
-    parameter_bytes = BYTES_PER_VALUE[optimizer, precision][0]
     activations = int(activations_gib * GIB)
-    rows = []
-    for label, strategy in STRATEGIES.items():
-        sharded_units = units if strategy == "fsdp" else None  # zero1/zero2 cut one flat buffer
-        state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
-        if label == "FSDP SHARD_GRAD_OP":
-            gathered = expected_shard_grad_op_gathered_bytes(gpus, units, parameter_bytes)
-        else:
-            gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
-        total = state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations
-        rows.append(
-            {"strategy": label, **state, "gathered": gathered, "activations": activations, "total": total}
-            | {"fits": total <= memory_gib * GIB}
-        )
-    return rows
+    return [
+        _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units)
+        for label in STRATEGIES
+    ]
+
+
+LARGEST_SEARCHED = 10**14
+"""The largest model :func:`largest_fitting_parameters` tries (100 trillion parameters): every byte count
+below it stays under 2**53, where the page's JavaScript numbers are still exact integers."""
+
+
+def largest_fitting_parameters(
+    gpus: int,
+    memory_gib: float,
+    precision: str = "mixed",
+    optimizer: str = "adam",
+    activations_gib: float = 0.0,
+    shard_units: int = DEFAULT_SHARD_UNITS,
+) -> dict[str, int]:
+    """The most parameters each strategy fits in ``memory_gib`` per GPU (rows as :func:`memory_per_rank`).
+
+    A bisection over the parameter count, whose totals never fall as it grows: 0 where even a model of
+    ``shard_units`` parameters does not fit, :data:`LARGEST_SEARCHED` where that one still fits."""
+    _check(shard_units, gpus, memory_gib, precision, optimizer, activations_gib, shard_units)
+    activations = int(activations_gib * GIB)
+    largest = {}
+    for label in STRATEGIES:
+
+        def fits(parameters: int, label: str = label) -> bool:
+            return _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units)["fits"]
+
+        if not fits(shard_units):
+            largest[label] = 0
+            continue
+        if fits(LARGEST_SEARCHED):
+            largest[label] = LARGEST_SEARCHED
+            continue
+        fitting, too_large = shard_units, LARGEST_SEARCHED
+        while too_large - fitting > 1:
+            middle = (fitting + too_large) // 2
+            fitting, too_large = (middle, too_large) if fits(middle) else (fitting, middle)
+        largest[label] = fitting
+    return largest
