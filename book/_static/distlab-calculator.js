@@ -1,8 +1,9 @@
 /* The memory calculator, in the reader's browser: bytes per rank by strategy, and whether they fit.
  *
  * distlabMemoryPerRank(inputs) is distlab.calculator.memory_per_rank, formula for formula, for a model
- * cut into `shard_units` equal flat units (tests/test_calculator.py runs both on a grid of inputs and
- * compares the bytes). Every <div class="distlab-calculator"> on a page (book/_static/calculator.html)
+ * cut into `shard_units` equal flat units, and distlabLargestFitting(inputs) is
+ * largest_fitting_parameters (tests/test_calculator.py runs both sides on a grid of inputs and
+ * compares every number). Every <div class="distlab-calculator"> on a page (book/_static/calculator.html)
  * is wired to it. Jupyter Book adds every .js file of book/_static to every page, so this file does
  * nothing where there is no calculator. Under node it exports the pure functions instead.
  */

@@ -3,9 +3,10 @@
 :func:`memory_per_rank` answers "does a model of P parameters train on N GPUs of M GiB each?" with
 the ZeRO memory model of :mod:`distlab.memory`: one row per strategy (DDP, ZeRO-1, ZeRO-2, FSDP
 FULL_SHARD, FSDP SHARD_GRAD_OP), each with its parameters, gradients, optimizer state, gathered
-parameters, activations, total and whether it fits. The book's calculator
-(``book/_static/distlab-calculator.js``) computes the same rows in the reader's browser, and
-``tests/test_calculator.py`` checks that both give the same bytes.
+parameters, activations, total and whether it fits. :func:`largest_fitting_parameters` turns the
+question round: the most parameters each strategy fits on those GPUs. The book's calculator
+(``book/_static/distlab-calculator.js``) computes both in the reader's browser, and
+``tests/test_calculator.py`` checks that page and library give the same numbers.
 
 The model is cut into ``shard_units`` equal units (a GPT's blocks), which FSDP gathers one at a time;
 the units are flat, so every count is exact for the padding each unit's flat shard adds, not for the
