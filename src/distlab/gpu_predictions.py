@@ -46,15 +46,26 @@ def activation_bytes(model: str, tokens: int, seq_len: int) -> int:
     return int(cfg.n_layer * per_layer + tokens * cfg.vocab_size * (2 + 4))
 
 
-def predict(system: System, model: str, variant: str, gpus: int, tokens: int, seq_len: int) -> dict:
-    """One step of ``variant`` on ``gpus`` of ``system``'s GPUs, ``tokens`` per GPU: seconds (a range) and bytes."""
+def predict(
+    system: System,
+    model: str,
+    variant: str,
+    gpus: int,
+    tokens: int,
+    seq_len: int,
+    state: str = "mixed",
+    wire_bytes: int = 2,
+) -> dict:
+    """One step of ``variant`` on ``gpus`` of ``system``'s GPUs, ``tokens`` per GPU: seconds (a range) and bytes.
+    ``state``: "mixed" (16-bit parameters and gradients, fp32 master weights) or "fp32" (fp32 parameters under
+    autocast); ``wire_bytes``: bytes per value the collectives carry."""
     gpu, units = system.gpu, units_of(model)
     parameters = sum(math.prod(s) for unit in units for s in unit)
     precision = "bf16" if gpu.bf16_flops else "fp16"
     compute = training_flops(model, tokens, seq_len) / (gpu.peak_flops(precision) * gpu.mfu)
     optimizer = stepped_values(variant, parameters, gpus, units) * ADAM_BYTES_PER_VALUE / gpu.memory_bandwidth
     times = []
-    for collective, _, size in collective_calls(variant, units, gpus, "nccl", bytes_per_value=2):
+    for collective, _, size in collective_calls(variant, units, gpus, "nccl", bytes_per_value=wire_bytes):
         bus = system.allreduce_busbw if collective == "all_reduce" else system.gather_busbw
         ring = CollectiveModel.nccl(collective, gpus, bus, system.alpha_step_s, system.alpha_base_s)
         times.append(ring.time_s(size))
@@ -63,7 +74,7 @@ def predict(system: System, model: str, variant: str, gpus: int, tokens: int, se
     else:
         hideable, behind = sum(times[1:-1]), compute
     exposed_least = sum(times) - min(hideable, behind)
-    memory = predict_peak_bytes(variant, gpus, units, activation_bytes(model, tokens, seq_len), precision="mixed")
+    memory = predict_peak_bytes(variant, gpus, units, activation_bytes(model, tokens, seq_len), precision=state)
     slowest, fastest = compute + optimizer + sum(times), compute + optimizer + exposed_least
     return {
         "system": system.name, "gpu": gpu.name, "usable_memory_bytes": gpu.usable_memory_bytes,
