@@ -110,3 +110,13 @@ def test_sharded_memory_shrinks_with_ranks_in_the_model_exactly_as_zero_says():
     counters = 3 * 4
     assert ddp["parameters"] == 4 * zero3["parameters"]
     assert ddp["optimizer_state"] - counters == 4 * (zero3["optimizer_state"] - counters)
+
+
+def test_gamma_is_what_summing_adds_to_moving_the_same_bytes():
+    n, beta, gamma = 4, 1e-9, 3e-10
+    fits = {
+        ("all_gather", "ring"): costmodel.CollectiveModel("all_gather", "ring", 1e-4, beta),
+        ("reduce_scatter", "ring"): costmodel.CollectiveModel("reduce_scatter", "ring", 1e-4, beta + gamma * 3 / 4),
+    }
+    assert costmodel.reduction_cost(fits, "ring", n) == pytest.approx(gamma)
+    assert costmodel.reduction_cost(fits, "torch", n) is None

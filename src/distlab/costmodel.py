@@ -132,6 +132,20 @@ def fit_collectives(rows: Sequence[dict]) -> dict[tuple[str, str], CollectiveMod
     return {pair: CollectiveModel.fit(rows, *pair) for pair in pairs}
 
 
+def reduction_cost(fits: dict[tuple[str, str], CollectiveModel], impl: str, n: int) -> float | None:
+    """gamma: seconds to reduce one byte, separated from the link's beta where two collectives move the
+    same bytes and only one reduces. A ring's reduce-scatter and all-gather each send (n-1)/n of the tensor
+    and the first also sums it; torch's all-reduce on gloo sends twice an all-gather's bytes and sums once
+    (its reduce-scatter runs a whole all-reduce, so it cannot separate gamma)."""
+    f = (n - 1) / n
+    gather = fits.get(("all_gather", impl))
+    reducing = fits.get(("reduce_scatter", impl)) if impl == "ring" else fits.get(("all_reduce", impl))
+    if gather is None or reducing is None:
+        return None
+    sent = 1 if impl == "ring" else 2  # all-gathers' worth of bytes the reducing collective sends
+    return (reducing.beta_s_per_byte - sent * gather.beta_s_per_byte) / f
+
+
 def _flat_bytes(shapes: Sequence[Shape], n: int, per_parameter_padding: bool, bytes_per_value: int = 4) -> int:
     if per_parameter_padding:  # FSDP2: each parameter's dim 0 padded to a multiple of n
         return sum(-(-s[0] // n) * n * math.prod(s[1:]) if len(s) else n for s in shapes) * bytes_per_value
