@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from distlab.launch import launcher_environment, torchrun_command
@@ -27,9 +28,11 @@ TINY_TRAINING = (
 ).split()
 JOB_TIMEOUT_S = 180  # a bound on a hang, far above the ~30 s these jobs take on 2 busy cores
 # The stubs stand in for Slurm: srun prints what it would run on each node (and the thread count
-# the script exported for it); scontrol lists the allocation's nodes, first node first.
+# the script exported for it); scontrol lists the allocation's nodes, first node first, one write at
+# a time, so that a script which stops reading after the first one meets the broken pipe it would
+# meet under a real scontrol with a long node list.
 SRUN_STUB = '#!/usr/bin/env bash\nprintf "%s\\0" "OMP_NUM_THREADS=$OMP_NUM_THREADS" "$@"\n'
-SCONTROL_STUB = '#!/usr/bin/env bash\nprintf "%s\\n" $STUB_NODES\n'
+SCONTROL_STUB = '#!/usr/bin/env bash\nfor node in $STUB_NODES; do echo "$node"; sleep 0.05; done\n'
 
 
 def srun_command(tmp_path: Path, slurm_env: dict[str, str], *train_args: str) -> tuple[list[str], str]:
@@ -42,7 +45,7 @@ def srun_command(tmp_path: Path, slurm_env: dict[str, str], *train_args: str) ->
         (stubs / name).chmod(0o755)
     env = {"PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", **slurm_env}
     run = subprocess.run(["bash", str(SBATCH), *train_args], env=env, capture_output=True, text=True, timeout=30)
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 0, f"train.sbatch exited with {run.returncode}: {run.stderr}"
     threads, *command = run.stdout.split("\0")[:-1]
     return command, threads
 
@@ -63,34 +66,44 @@ def node_command(tmp_path: Path, rdzv_id: str, port: int, join_timeout_s: int, *
     return [sys.executable, *command[python + 1 :]]
 
 
-def start(command: list[str], tmp_path: Path) -> subprocess.Popen:
+@dataclass
+class Job:
+    process: subprocess.Popen
+    scratch: Path  # its stdout and stderr files, and torchrun's leftovers
+
+    def output(self, stream: str) -> str:
+        return (self.scratch / stream).read_text()
+
+
+def start(command: list[str], tmp_path: Path) -> Job:
+    """``command`` in the background, its output into files: jobs that run together must never
+    block on a full pipe that nobody reads while the test waits for another job."""
+    scratch = tmp_path / f"job-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
     # LOGLEVEL=INFO: each torchrun reports the ranks the rendezvous gave its node. TMPDIR: torchrun
     # leaves a log folder behind in it for every run.
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    env = {**launcher_environment(1), "LOGLEVEL": "INFO", "TMPDIR": str(tmp_path / "tmp")}
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {**launcher_environment(1), "LOGLEVEL": "INFO", "TMPDIR": str(scratch)}
+    with open(scratch / "stdout", "w") as stdout, open(scratch / "stderr", "w") as stderr:
+        return Job(subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env), scratch)
 
 
-def finish(jobs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+def finish(jobs: list[Job], timeout_s: float) -> list[tuple[int, str, str]]:
     """Each job's exit code, stdout and stderr; past ``timeout_s`` or on any error, every job still
     running is stopped: SIGTERM first, so that torchrun stops the ranks it started in their own
     sessions, then SIGKILL."""
     deadline = time.monotonic() + timeout_s
-    outputs = []
     try:
         for job in jobs:
-            stdout, stderr = job.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append((job.returncode, stdout, stderr))
+            job.process.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.send_signal(signal.SIGTERM)
-                try:
-                    job.communicate(timeout=20)
-                except subprocess.TimeoutExpired:
-                    job.kill()
-                    job.communicate()
-    return outputs
+        for process in (job.process for job in jobs if job.process.poll() is None):
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    return [(job.process.returncode, job.output("stdout"), job.output("stderr")) for job in jobs]
 
 
 def ranks_of_node(stderr: str) -> tuple[int, list[int]]:
@@ -130,7 +143,7 @@ def test_slurm_script_runs_one_torchrun_per_node_at_the_first_nodes_rendezvous(t
         "fsdp",
     ]
     assert threads == "OMP_NUM_THREADS=8", "each rank gets its share of the task's cores"
-    cpu_job = {key: value for key, value in gpu_job.items() if key not in ("SLURM_GPUS_PER_NODE", "SLURM_CPUS_PER_TASK")}
+    cpu_job = {key: gpu_job[key] for key in ("STUB_NODES", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_ID")}
     command, threads = srun_command(tmp_path, cpu_job)
     assert "--nproc_per_node=1" in command and threads == "OMP_NUM_THREADS=1", "without GPUs: one rank per node"
 
@@ -175,4 +188,4 @@ def test_nodes_with_different_rendezvous_ids_fail_within_the_join_timeout(tmp_pa
     assert all(returncode != 0 for returncode, _, _ in outputs)
     # The node hosting the store times out; the other may time out too, or first lose the store.
     assert all(errors) and any("RendezvousTimeoutError" in names for names in errors), errors
-    assert elapsed < JOB_TIMEOUT_S / 2, f"the rendezvous gave up after {elapsed:.0f} s, not after about {join_timeout_s} s"
+    assert elapsed < JOB_TIMEOUT_S / 2, f"gave up after {elapsed:.0f} s, not about {join_timeout_s} s after starting"
