@@ -30,9 +30,10 @@ class JobOutput:
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def torchrun_command(nproc: int, target: str, *args: str) -> list[str]:
-    """``torchrun --standalone`` on a ``.py`` script or a module name."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    """``torchrun --standalone`` on a ``.py`` script or a module name; ``launcher`` adds torchrun's own
+    options (``--max-restarts=1``)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher, f"--nproc_per_node={nproc}"]
     command += [target] if target.endswith(".py") else ["-m", target]
     return command + [str(a) for a in args]
 
@@ -53,6 +54,7 @@ def torchrun(
     echo: bool = True,
     timeout_s: float = 1800,
     threads_per_rank: int | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> JobOutput:
     """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
 
@@ -61,7 +63,7 @@ def torchrun(
     one-rank run and a four-rank run use the same machine.
     """
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    command = torchrun_command(nproc, target, *args)
+    command = torchrun_command(nproc, target, *args, launcher=launcher)
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launcher_environment(threads_per_rank)
     )

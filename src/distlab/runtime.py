@@ -217,8 +217,8 @@ def torch_says(err: BaseException) -> str:
         mine, _, theirs = text.partition(", but Rank ")
         (me, my_seq), (peer, peer_seq) = _fingerprint(mine), _fingerprint(theirs.split("Collectives differ")[0])
         rank, other = re.search(r"Rank (\d+) is running", mine), re.match(r"(\d+)", theirs)
-        # torch's check is itself a collective: a peer at another position in the sequence reports the check's
-        # own operation (a GATHER, a REDUCE), so only a peer at the same position is named; its line says the rest.
+        # A peer at another position in the sequence shows up as the check's own operation (a GATHER, a REDUCE),
+        # not the call its code made: only a peer at the same position is named; its own line says the rest.
         peer = f"rank {other and other[1]} in {peer}" if peer_seq == my_seq else "the other rank in another collective"
         return f"TORCH_DISTRIBUTED_DEBUG=DETAIL: rank {rank and rank[1]} is in {me}, {peer}"
     first = text.splitlines()[0] if text else type(err).__name__
@@ -282,6 +282,10 @@ def run_main(main, argv=None) -> None:
     except DistlabError as err:
         if rank == "0" or err.every_rank:
             say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
+        if rank == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
+            # would break their connections while they are still setting up, and each would say so.
+            time.sleep(1.0)
         raise SystemExit(2) from None
     except _OUT_OF_MEMORY as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
