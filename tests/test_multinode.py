@@ -146,6 +146,9 @@ def test_slurm_script_runs_one_torchrun_per_node_at_the_first_nodes_rendezvous(t
     cpu_job = {key: gpu_job[key] for key in ("STUB_NODES", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_JOB_ID")}
     command, threads = srun_command(tmp_path, cpu_job)
     assert "--nproc_per_node=1" in command and threads == "OMP_NUM_THREADS=1", "without GPUs: one rank per node"
+    # Run by hand, outside an allocation: one line saying how to submit it.
+    by_hand = subprocess.run(["bash", str(SBATCH)], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert by_hand.returncode == 2 and by_hand.stderr.count("\n") == 1 and "sbatch" in by_hand.stderr
 
 
 def test_two_nodes_on_one_machine_train_as_one_node_with_as_many_ranks(tmp_path):
