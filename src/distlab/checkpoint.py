@@ -1,20 +1,62 @@
-"""Model state out of a wrapped model, whatever wrapped it.
+"""Checkpoints of a run, sharded: every rank writes its own part, and any number of ranks reads it back.
 
-``torch.distributed.checkpoint.state_dict`` knows torch DDP and FSDP2; the
-course's own DDP wrappers are unwrapped first, and its ZeRO-3 gathers its own
-shards. A full state dict gathers every sharded parameter, so it is a
-collective: every rank must call it.
+A checkpoint folder holds one ``step-<N>/`` folder per save and a ``latest``
+file naming the newest complete one. A save is written into
+``step-<N>.partial/`` and published by one rename, and ``latest`` is replaced
+(temporary file, then ``os.replace``) only after that: a job killed in the
+middle of a save leaves the previous checkpoint, and ``latest`` pointing at it.
+
+Each step folder is a ``torch.distributed.checkpoint`` (DCP) checkpoint plus a
+``meta.json`` (model, strategy, world size, step, parameter count, versions).
+What goes in depends on how the strategy lays out its state:
+
+* per-parameter (single, ddp, the course's DDP, fsdp): torch's
+  ``get_state_dict``/``set_state_dict`` name every tensor after its parameter;
+  FSDP2's are DTensors, so each rank writes only its shards;
+* ZeRO-1/2 keep the model whole but the optimizer state as one flat slice per
+  rank, ZeRO-3 the parameters too: each slice is saved as a DTensor piece of
+  the unpadded flat vector (:meth:`.parallel.flat_param.FlatParams.shard_as_dtensor`).
+
+DCP resharding does the rest: a checkpoint written on 2 ranks loads on 1, 3 or 4.
+Where each rank stands (:class:`distlab.train.TrainState`, its RNG, the gradient
+scaler) is saved under the rank's own key, because DCP keeps one copy of a value
+every rank saves under the same name. Everything saved is a tensor (the run's
+counters as JSON bytes), so loading unpickles nothing but DCP's own index.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 
+from . import __version__
+from .parallel.flat_param import segment_owners_mesh
 from .parallel.mini_ddp import DataParallelWrapper
 from .parallel.mini_fsdp import ShardedParameters
+from .runtime import DistlabError, Runtime
+
+PER_PARAMETER, FLAT_OPTIMIZER, FLAT = "per-parameter", "flat optimizer state", "flat parameters and optimizer state"
+LAYOUTS = {
+    **dict.fromkeys(("single", "ddp", "naive_ddp", "bucketed_ddp", "fsdp"), PER_PARAMETER),
+    **dict.fromkeys(("zero1", "zero2"), FLAT_OPTIMIZER),
+    "zero3": FLAT,
+}
+"""How each strategy's checkpoint is laid out; strategies with the same layout load each other's."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -25,9 +67,266 @@ def unwrap(model: nn.Module) -> nn.Module:
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter and buffer, whole and on the CPU: on every rank, or,
     with ``rank0_only``, on rank 0 alone (the others get ``{}``), so no other
-    rank ever holds the whole model."""
+    rank ever holds the whole model. A collective: every rank must call it."""
     if isinstance(model, ShardedParameters):  # the course's ZeRO-3 knows where its shards go
         return model.full_state_dict(rank0_only)
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     state = get_model_state_dict(unwrap(model), options=options)
     return {key: value.detach().cpu().clone() for key, value in state.items()}
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state (Adam's moments) so a load has tensors to fill:
+    one step on zero gradients with a zero learning rate, which moves no parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)
+
+
+class StrategyState:
+    """The model and optimizer tensors one strategy checkpoints, as DCP saves and loads them.
+
+    :attr:`tensors` shares memory with the model and optimizer where it can, so a
+    load fills them in place; :meth:`apply` finishes a load where it cannot."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str, device_type: str):
+        self.model, self.optimizer, self.layout = model, optimizer, LAYOUTS[strategy]
+        if self.layout == FLAT:
+            self.tensors = _zero3_tensors(model, optimizer, device_type)
+        elif self.layout == FLAT_OPTIMIZER:
+            initialize_optimizer_state(optimizer.inner)
+            self.tensors = {
+                "model": get_model_state_dict(unwrap(model)),
+                "optimizer": optimizer.sharded_state_dict(device_type),
+            }
+        else:
+            initialize_optimizer_state(optimizer)
+            model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
+            # The hyperparameters come from this run's flags; only the per-parameter state is saved.
+            self.param_groups = optimizer_state["param_groups"]
+            self.tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
+
+    def apply(self) -> None:
+        if self.layout == PER_PARAMETER:
+            optimizer_state = {"state": self.tensors["optimizer"], "param_groups": self.param_groups}
+            set_state_dict(
+                unwrap(self.model), self.optimizer, model_state_dict=self.tensors["model"], optim_state_dict=optimizer_state
+            )
+
+
+def _zero3_tensors(model: ShardedParameters, optimizer: torch.optim.Optimizer, device_type: str) -> dict:
+    """ZeRO-3: each unit's parameter slice and its optimizer state as DTensor pieces of the
+    unit's flat vector; frozen parameters and buffers, whole on every rank, by name."""
+    initialize_optimizer_state(optimizer)
+    world = model.world_size
+    names = {id(module): name for name, module in model.module.named_modules()}
+    model_part, optimizer_part, sharded = {}, {}, set()
+    for unit in model.forward_order:
+        owners = [0] * world  # owners[segment] = rank: the ring keeps segment (r+1) % N on rank r
+        for rank in range(world):
+            owners[unit.collectives.owned_segment(rank, world)] = rank
+        mesh = segment_owners_mesh(device_type, owners)
+        key = f"unit.{names[id(unit.module)] or 'root'}"
+        model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
+        for name, value in optimizer.state[unit.shard].items():
+            whole_slice = value.dim() == 1 and value.numel() == unit.layout.shard_numel
+            optimizer_part[f"{key}.{name}"] = unit.layout.shard_as_dtensor(value, mesh) if whole_slice else value
+        sharded.update(id(p) for p in unit.layout.params)
+    for key, tensor in model.module.state_dict(keep_vars=True).items():
+        if id(tensor) not in sharded:
+            model_part[key] = tensor.detach()
+    return {"model": model_part, "optimizer": optimizer_part}
+
+
+def json_tensor(value: Any) -> torch.Tensor:
+    """``value`` as JSON bytes in a uint8 tensor: saved like any tensor, read back without pickle."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).clone()
+
+
+def from_json_tensor(tensor: torch.Tensor) -> Any:
+    return json.loads(bytes(tensor.cpu().numpy()).decode())
+
+
+def rank_entry(state, scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
+    """This rank's :class:`~distlab.train.TrainState` and gradient scaler, saved under its own key."""
+    saved = state.state_dict()
+    rng, cuda_rng = saved.pop("rng"), saved.pop("cuda_rng")
+    entry = {"run": json_tensor({**saved, "scaler": scaler.state_dict()}), "rng": rng}
+    if cuda_rng:
+        entry["cuda_rng"] = torch.stack(cuda_rng)
+    return entry
+
+
+def load_rank_entry(entry: dict[str, torch.Tensor], state, scaler: torch.amp.GradScaler) -> None:
+    saved = from_json_tensor(entry["run"])
+    scaler_state = saved.pop("scaler")
+    cuda_rng = list(entry["cuda_rng"]) if "cuda_rng" in entry else []
+    state.load_state_dict({**saved, "rng": entry["rng"], "cuda_rng": cuda_rng})
+    if scaler_state and scaler.is_enabled():
+        scaler.load_state_dict(scaler_state)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old contents or the new, never half of them."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer with a hook called before this rank writes its shards (fault injection)."""
+
+    def __init__(self, path: Path, before_write):
+        super().__init__(path, sync_files=True)
+        self.before_write = before_write
+
+    def write_data(self, plan, planner):
+        self.before_write()
+        return super().write_data(plan, planner)
+
+
+def describe(run, state) -> dict[str, Any]:
+    """``meta.json``: what a checkpoint holds, checked before anything is loaded."""
+    return {
+        "model": run.cfg.model.name,
+        "strategy": run.cfg.parallel.strategy,
+        "layout": LAYOUTS[run.cfg.parallel.strategy],
+        "world_size": run.runtime.world_size,
+        "global_step": state.global_step,
+        "epoch": state.epoch,
+        "step_in_epoch": state.step_in_epoch,
+        "global_batch": run.global_batch,
+        "parameters": run.parameters,
+        "distlab": __version__,
+        "torch": torch.__version__,
+    }
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        raise DistlabError(
+            f"checkpoint {path} has no readable meta.json ({type(err).__name__}): it is incomplete or damaged; "
+            "resume from another step-N folder, or start fresh with --resume none"
+        ) from None
+
+
+def check_compatible(meta: dict[str, Any], run, path: Path) -> None:
+    """Refuse, in one line naming both, a checkpoint of another model or of a layout this strategy cannot load."""
+    model, strategy = run.cfg.model.name, run.cfg.parallel.strategy
+    if (meta["model"], meta["parameters"]) != (model, run.parameters):
+        raise DistlabError(
+            f"checkpoint {path} holds a {meta['model']} model ({meta['parameters']:,} parameters) but this run "
+            f"builds {model} ({run.parameters:,} parameters): resume with --model {meta['model']} and the same "
+            "model options, or start fresh with --resume none or another --checkpoint-dir"
+        )
+    if LAYOUTS[meta["strategy"]] != LAYOUTS[strategy]:
+        fits = " or ".join(name for name, layout in LAYOUTS.items() if layout == LAYOUTS[meta["strategy"]])
+        raise DistlabError(
+            f"checkpoint {path} was saved by --strategy {meta['strategy']} ({LAYOUTS[meta['strategy']]}), which "
+            f"--strategy {strategy} ({LAYOUTS[strategy]}) cannot load: resume with --strategy {fits}, "
+            "or start fresh with --resume none"
+        )
+
+
+class CheckpointFolder:
+    """``--checkpoint-dir``: where a run saves its ``step-<N>/`` folders, and what ``--resume`` finds."""
+
+    def __init__(self, directory: str, runtime: Runtime):
+        self.directory = Path(directory) if directory else None
+        self.runtime = runtime
+
+    def find(self, resume: str) -> Path | None:
+        """The step folder ``--resume`` names: for ``auto`` the latest complete one in the
+        checkpoint folder (None when there is none yet), for ``none`` None, else the path
+        given (a step folder, or a checkpoint folder, whose latest it means)."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return _latest(self.directory) if self.directory else None
+        path = Path(resume)
+        path = _latest(path) or path if (path / "latest").is_file() else path
+        if not path.is_dir():
+            raise DistlabError(
+                f"--resume {resume}: no checkpoint there: name a step-N folder or a --checkpoint-dir, "
+                "or use --resume auto or none"
+            )
+        return path
+
+    def save(self, run, state, before_write=lambda: None) -> Path:
+        """Write ``step-<N>.partial/`` (every rank its part), then publish it as ``step-<N>/`` and
+        point ``latest`` at it. A collective: every rank calls it at the same step."""
+        final = self.directory / f"step-{state.global_step}"
+        partial = final.with_name(final.name + ".partial")
+        if self.runtime.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # a save killed before it was published left this
+            partial.mkdir(parents=True)
+        dist.barrier()
+        content = StrategyState(run.model, run.optimizer, run.cfg.parallel.strategy, self.runtime.device.type).tensors
+        content[f"rank{self.runtime.rank}"] = rank_entry(state, run.precision.scaler)
+        dcp.save(content, storage_writer=_Writer(partial, before_write))
+        if self.runtime.is_main:  # DCP's index is written: the checkpoint is complete
+            write_atomically(partial / "meta.json", json.dumps(describe(run, state), indent=1))
+            if final.exists():  # an earlier job's save of the same step
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            write_atomically(self.directory / "latest", final.name)
+        return final
+
+    def load(self, path: Path, run, state) -> dict[str, Any]:
+        """Load the checkpoint at ``path`` into ``run`` and ``state`` (on any number of ranks); return its meta."""
+        meta = read_meta(path)
+        check_compatible(meta, run, path)
+        strategy_state = StrategyState(run.model, run.optimizer, run.cfg.parallel.strategy, self.runtime.device.type)
+        try:
+            reader = dcp.FileSystemReader(path)
+            saved = reader.read_metadata().state_dict_metadata
+            # A rank the saving job did not have starts where rank 0 stood (ranks of one job stand alike).
+            source = f"rank{self.runtime.rank}" if f"rank{self.runtime.rank}.run" in saved else "rank0"
+            entry = {
+                name: torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+                for name in ("run", "rng", "cuda_rng")
+                if (key := f"{source}.{name}") in saved
+            }
+            dcp.load({**strategy_state.tensors, source: entry}, storage_reader=reader)
+        except (Exception, dcp.CheckpointException) as err:  # DCP's wraps every rank's failure (a BaseException)
+            cause = next(iter(err.failures.values()))[0] if getattr(err, "failures", None) else err
+            first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+            raise DistlabError(
+                f"checkpoint {path} could not be loaded ({first_line}): it is damaged or incomplete; "
+                "resume from another step-N folder, or start fresh with --resume none"
+            ) from None
+        strategy_state.apply()
+        load_rank_entry(entry, state, run.precision.scaler)
+        _count_in_this_global_batch(meta, run, state)
+        return meta
+
+
+def _latest(directory: Path) -> Path | None:
+    pointer = directory / "latest"
+    return directory / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _count_in_this_global_batch(meta: dict[str, Any], run, state) -> None:
+    """Resumed mid-epoch with another global batch (another world size): the same samples
+    seen, counted in this run's steps, if they make whole steps."""
+    if meta["global_batch"] == run.global_batch or state.step_in_epoch == 0:
+        return
+    seen = state.step_in_epoch * meta["global_batch"]
+    if seen % run.global_batch:
+        raise DistlabError(
+            f"the checkpoint stopped {seen} samples into epoch {state.epoch + 1}, not a whole number of this run's "
+            f"global batches of {run.global_batch}: choose --batch-size so the global batch divides {seen}, "
+            "or resume from a checkpoint taken at the end of an epoch"
+        )
+    state.step_in_epoch = seen // run.global_batch

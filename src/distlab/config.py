@@ -140,6 +140,32 @@ class PrecisionConfig:
 @dataclass
 class CheckpointConfig:
     save_model: bool = option(False, "also write the full state dict next to the result file (gathered on rank 0)")
+    checkpoint_dir: str = option(
+        "",
+        "save sharded checkpoints here (torch.distributed.checkpoint: each rank writes its part) as step-N folders, "
+        "each published whole by a rename, and a 'latest' file naming the newest",
+    )
+    checkpoint_every: int = option(
+        0, "save every this many optimizer steps, and at the end of the run (0: only at the end; needs --checkpoint-dir)"
+    )
+    resume: str = option(
+        "auto",
+        "auto: continue from the latest checkpoint in --checkpoint-dir if there is one (what a restarted torchrun "
+        "job needs), else start fresh; none: start fresh; or the path of a step-N folder (any number of ranks)",
+    )
+
+
+@dataclass
+class FaultConfig:
+    fail_at_step: int = option(
+        0,
+        "fault injection: rank --fail-rank kills itself (SIGKILL) right after this global step (0: never), "
+        "in torchrun's first attempt only, so --max-restarts can restart the job",
+    )
+    fail_rank: int = option(0, "fault injection: the rank that --fail-at-step kills")
+    fail_during_save: bool = option(
+        False, "fault injection: kill the rank as it starts writing step --fail-at-step's checkpoint instead"
+    )
 
 
 @dataclass
@@ -161,6 +187,7 @@ class TrainConfig:
     parallel: ParallelConfig = section(ParallelConfig)
     precision: PrecisionConfig = section(PrecisionConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    faults: FaultConfig = section(FaultConfig)
     output: OutputConfig = section(OutputConfig)
 
     @classmethod
@@ -182,6 +209,7 @@ class TrainConfig:
             if value < 1:
                 raise DistlabError(f"{flag} must be at least 1, not {value}")
         self._validate_fsdp_options()
+        self._validate_checkpoint_options()
         if model_input_kind(self.model.name) == "tokens":
             if self.data.dataset != "synthetic":
                 raise DistlabError(
@@ -211,6 +239,17 @@ class TrainConfig:
             raise DistlabError(f"--fsdp-reshard-to must be a number of ranks (or 0), not {p.fsdp_reshard_to}")
         if p.fsdp_reduce_dtype != "fp32" and p.fsdp_param_dtype == "none":
             raise DistlabError("--fsdp-reduce-dtype param needs a low-precision --fsdp-param-dtype (bf16 or fp16)")
+
+    def _validate_checkpoint_options(self) -> None:
+        c, f = self.checkpoint, self.faults
+        if c.checkpoint_every < 0:
+            raise DistlabError(f"--checkpoint-every must be a number of steps (or 0), not {c.checkpoint_every}")
+        if c.checkpoint_every and not c.checkpoint_dir:
+            raise DistlabError("--checkpoint-every needs --checkpoint-dir DIR: where should the checkpoints go?")
+        if f.fail_during_save and not (c.checkpoint_dir and f.fail_at_step):
+            raise DistlabError("--fail-during-save needs --checkpoint-dir and --fail-at-step (the step whose save dies)")
+        if f.fail_at_step < 0 or f.fail_rank < 0:
+            raise DistlabError("--fail-at-step and --fail-rank take a step and a rank (0 or more)")
 
     def run_name(self, world_size: int, device_type: str) -> str:
         """The result file's name: ``--run-name``, or what the run was."""

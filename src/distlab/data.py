@@ -200,6 +200,9 @@ class SampledLoader:
             pin_memory=pin_memory and runtime.device.type == "cuda",
             drop_last=drop_last,
             persistent_workers=num_workers > 0,
+            # Its own generator for the workers' seeds: drawn from the global one, starting an
+            # epoch would move the RNG that dropout uses, and a resumed run would draw differently.
+            generator=torch.Generator().manual_seed(seed),
         )
         self.device, self.non_blocking = runtime.device, non_blocking
 

@@ -29,6 +29,7 @@ from .checks import DataOrderCheck
 from .cli import finish_run, parse
 from .config import TrainConfig
 from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
+from .faults import FaultTolerance
 from .memory import MemoryTracker, state_bytes
 from .models import (
     GPT_PRESETS,
@@ -61,6 +62,8 @@ class TrainState:
     """Wall time of every optimizer step, this rank's."""
     memory: dict[str, Any] = field(default_factory=dict)
     """This rank's memory over one optimizer step (:func:`observed_step`)."""
+    epoch_progress: dict[str, list[float]] = field(default_factory=dict)
+    """The epoch's loss sums so far, over all ranks (saved mid-epoch, so a resumed epoch reports them whole)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +73,7 @@ class TrainState:
             "history": self.history,
             "step_times_s": self.step_times_s,
             "memory": self.memory,
+            "epoch_progress": self.epoch_progress,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
@@ -78,8 +82,9 @@ class TrainState:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.history, self.step_times_s = list(state["history"]), list(state["step_times_s"])
         self.memory = dict(state.get("memory", {}))
+        self.epoch_progress = dict(state.get("epoch_progress", {}))
         torch.set_rng_state(state["rng"])
-        if state["cuda_rng"]:
+        if state["cuda_rng"] and torch.cuda.is_available():  # a GPU run's state resumed on a CPU has none to set
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
@@ -152,6 +157,23 @@ class MetricSums:
     @property
     def count(self) -> int:
         return int(self.sums[2].item())
+
+
+def epoch_progress(sums: MetricSums, step_losses: torch.Tensor, steps_done: int, world_size: int) -> dict:
+    """The epoch so far, summed over ranks (a collective): what a checkpoint taken mid-epoch keeps."""
+    totals = torch.cat([sums.sums, step_losses[:steps_done]])
+    dist.all_reduce(totals)
+    return {"sums": totals[:3].tolist(), "step_loss": (totals[3:] / world_size).tolist()}
+
+
+def restore_epoch_progress(progress: dict, sums: MetricSums, step_losses: torch.Tensor, runtime: Runtime) -> None:
+    """Rank 0 carries a resumed epoch's saved totals: the epoch's reductions add every rank's share."""
+    if not progress or not runtime.is_main:
+        return
+    sums.sums += torch.tensor(progress["sums"], dtype=torch.float64, device=sums.sums.device)
+    losses = torch.tensor(progress["step_loss"], dtype=torch.float64, device=step_losses.device)
+    if len(losses) <= len(step_losses):  # per-step losses of another world size's steps do not line up
+        step_losses[: len(losses)] = losses * runtime.world_size
 
 
 @torch.no_grad()
@@ -315,8 +337,11 @@ class EpochBatches:
         return batch
 
 
-def train_epoch(run: Run, state: TrainState, data_check: DataOrderCheck) -> dict[str, Any]:
-    """The rest of epoch ``state.epoch``, then its record (reduced over ranks once)."""
+def train_epoch(
+    run: Run, state: TrainState, data_check: DataOrderCheck, tolerance: FaultTolerance | None = None
+) -> dict[str, Any]:
+    """The rest of epoch ``state.epoch``, then its record (reduced over ranks once);
+    ``tolerance`` checkpoints after the steps it is due."""
     cfg, runtime, steps = run.cfg, run.runtime, run.steps_per_epoch
     log_every = cfg.output.log_every if cfg.output.log_every != 0 else max(1, steps // 10)
     run.loader.set_epoch(state.epoch)
@@ -324,6 +349,8 @@ def train_epoch(run: Run, state: TrainState, data_check: DataOrderCheck) -> dict
     sums = MetricSums(runtime.device)
     step_losses = torch.zeros(steps, dtype=torch.float64, device=runtime.device)
     first = state.step_in_epoch
+    if first:
+        restore_epoch_progress(state.epoch_progress, sums, step_losses, runtime)
 
     def check_order(inputs: torch.Tensor) -> None:
         for problem in data_check.check_first_batch(state.epoch, inputs):
@@ -342,6 +369,8 @@ def train_epoch(run: Run, state: TrainState, data_check: DataOrderCheck) -> dict
         # non_blocking copies overlap; in steady state the host's step time is the GPU's.
         state.step_times_s.append(time.perf_counter() - started)
         state.step_in_epoch, state.global_step = step + 1, state.global_step + 1
+        if tolerance is not None:
+            tolerance.after_step(state, lambda: epoch_progress(sums, step_losses, step + 1, runtime.world_size))
         if log_every > 0 and ((step + 1) % log_every == 0 or step + 1 == steps):
             elapsed = time.perf_counter() - start
             runtime.log(
@@ -374,6 +403,8 @@ class TrainResult:
     model: nn.Module
     state: TrainState
     parameters: int
+    fault_tolerance: dict[str, Any] = field(default_factory=dict)
+    """Restarts, the step this attempt resumed from, and the steps each resume lost."""
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -381,25 +412,28 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, runtime: Runtime, state: TrainState | None = None) -> TrainResult:
-    """Train from ``state`` (a fresh run by default) to the last epoch."""
+    """Train from ``state`` (a fresh run by default, or what ``--resume`` finds) to the last epoch."""
     run = build_run(cfg, runtime)
     state = state or TrainState()
+    tolerance = FaultTolerance(run)
     runtime.log(
         f"distlab: {cfg.parallel.strategy} | {cfg.model.name} ({run.parameters:,} parameters) | "
         f"{cfg.data.dataset} | {runtime.describe()} | global batch {run.global_batch} | "
         f"{run.steps_per_epoch} steps/epoch"
     )
+    tolerance.resume(state)
     data_check = DataOrderCheck(run.loader)
     while state.epoch < cfg.training.epochs:
-        record = train_epoch(run, state, data_check)
+        record = train_epoch(run, state, data_check, tolerance)
         state.history.append(record)
-        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        state.epoch, state.step_in_epoch, state.epoch_progress = state.epoch + 1, 0, {}
         runtime.log(
             f"epoch {record['epoch']}/{cfg.training.epochs} | train loss {record['train_loss']:.4f} | "
             f"test loss {record['test_loss']:.4f} acc {100 * record['test_accuracy']:.2f}% | "
             f"{record['epoch_time_s']:.1f}s, {record['samples_per_s']:,.0f} samples/s"
         )
-    return TrainResult(model=run.model, state=state, parameters=run.parameters)
+    tolerance.at_end(state)
+    return TrainResult(run.model, state, run.parameters, tolerance.log.summary())
 
 
 def slowest_median_step_s(result: TrainResult, skip: int = 3) -> float | None:
@@ -424,6 +458,7 @@ def main(argv: list[str] | None = None) -> None:
             "parameters": result.parameters,
             "optimizer_steps": result.state.global_step,
             "step_time_median_s": slowest_median_step_s(result),
+            "fault_tolerance": result.fault_tolerance,
         }
         name = cfg.run_name(runtime.world_size, runtime.device.type)
         state = (

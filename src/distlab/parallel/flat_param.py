@@ -5,12 +5,20 @@ parameters, padded with zeros to a multiple of the world size ``N``, so that
 rank ``r`` owns exactly ``ceil(numel / N)`` consecutive values. Equal
 shards are what ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 move; the padding is never read as a parameter.
+
+A checkpoint saves a rank's slice as its piece of the *unpadded* flat
+vector (:meth:`FlatParams.shard_as_dtensor`): ``ceil(numel / N)`` values per
+rank is exactly how ``torch.chunk`` and a DTensor's ``Shard(0)`` split
+``numel`` values, so ``torch.distributed.checkpoint`` knows where every
+piece sits and can load it on any number of ranks.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 
 class FlatParams:
@@ -41,6 +49,24 @@ class FlatParams:
             views.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         return views
+
+    def shard_as_dtensor(self, values: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's slice of a flat buffer (``values``: ``shard_numel`` long, padding
+        included) as its ``Shard(0)`` piece of the unpadded ``numel``-long vector. It
+        shares memory with ``values``, so a checkpoint load writes straight into them.
+        ``mesh`` lists the owner of each segment (:func:`segment_owners_mesh`)."""
+        valid = max(0, min(self.numel, self.shard.stop) - self.shard.start)
+        return DTensor.from_local(
+            values.detach()[:valid], mesh, [Shard(0)], run_check=False, shape=(self.numel,), stride=(1,)
+        )
+
+
+def segment_owners_mesh(device_type: str, owners: list[int]) -> DeviceMesh:
+    """A one-dimensional mesh whose entry ``i`` is the rank that holds segment ``i``
+    (``range(N)`` for ZeRO-1/2; the ring's ZeRO-3 shifts it by one), so each rank's
+    ``Shard(0)`` offset is where its slice sits. Only offsets are read from it:
+    it creates no process group."""
+    return DeviceMesh(device_type, owners, _init_backend=False)
 
 
 def _single_tensor_collectives():

@@ -24,7 +24,13 @@ import torch.nn as nn
 
 from ..runtime import DistlabError
 from .base import OptimizerFactory, _state_values
-from .flat_param import FlatParams, all_gather_into, clip_sharded_grad_norm_, reduce_scatter_flat
+from .flat_param import (
+    FlatParams,
+    all_gather_into,
+    clip_sharded_grad_norm_,
+    reduce_scatter_flat,
+    segment_owners_mesh,
+)
 from .mini_ddp import NaiveDDP
 from .replicated import BucketedDDPStrategy, Replicated
 
@@ -75,6 +81,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict) -> None:
         self.inner.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, device_type: str) -> dict[str, torch.Tensor]:
+        """The inner optimizer's state for a checkpoint: each per-value tensor (Adam's
+        moments) as this rank's piece of the whole flat state (a DTensor sharing memory
+        with it: loading one writes into the optimizer), a scalar (Adam's step) as is.
+        The state must exist already (a checkpoint initialises it first)."""
+        mesh = segment_owners_mesh(device_type, list(range(dist.get_world_size(self.group))))
+        return {
+            name: self.flat.shard_as_dtensor(value, mesh) if value.dim() == 1 and value.numel() == self.flat.shard_numel
+            else value
+            for name, value in self.inner.state[self.shard].items()
+        }
 
 
 class ShardedGradients(NaiveDDP):
