@@ -5,7 +5,9 @@ user sees, the fix. :func:`try_rows` runs them; the tests and the troubleshootin
 Each row must end with a non-zero exit and one line (``distlab: error: ...``, written by rank 0 only), and
 leave nothing behind: no result file, no checkpoint, nothing changed in the folders it was given. Only a
 port already in use is answered by torchrun itself (its agent fails to listen before any rank starts), in
-the last line of its own traceback.
+the last line of its own traceback. A mistake that does not depend on the number of ranks is tried in one
+process (``python -m distlab.train``): every rank would make it the same way, and each process started
+costs seconds of imports.
 """
 
 from __future__ import annotations
@@ -120,13 +122,13 @@ BAD_INPUTS = [
              prepare=copied_checkpoint(truncate_shards), needs_checkpoint=True),
     BadInput("checkpoint-corrupt", "the latest checkpoint's index overwritten with other bytes", CHECKPOINT,
              "could not be loaded", "resume from an earlier step-N folder, or --resume none",
-             prepare=copied_checkpoint(garble_index), needs_checkpoint=True),
+             prepare=copied_checkpoint(garble_index), needs_checkpoint=True, ranks=0),
     BadInput("checkpoint-other-model", "resuming the CNN's checkpoint with --model gpt-tiny",
              (*CHECKPOINT, "--model", "gpt-tiny"), "holds a cnn model", "the checkpoint's --model, or --resume none",
-             prepare=copied_checkpoint(), needs_checkpoint=True),
+             prepare=copied_checkpoint(), needs_checkpoint=True, ranks=0),
     BadInput("checkpoint-other-layout", "a ddp checkpoint resumed by --strategy zero3 (flat shards)",
              (*CHECKPOINT, "--strategy", "zero3"), "cannot load", "a strategy of the same layout, or --resume none",
-             prepare=copied_checkpoint(), needs_checkpoint=True),
+             prepare=copied_checkpoint(), needs_checkpoint=True, ranks=0),
 ]  # fmt: skip
 
 
