@@ -32,8 +32,6 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .cli import DeviceOptions, option, parse, section
-from .models import build_model, materialize
-from .parallel.fsdp2 import FSDP2
 from .runtime import DistlabError, Runtime, collective_site, distributed, run_main
 
 STEPS = 3
@@ -76,6 +74,9 @@ EVAL_FIX = (
 
 def eval_rank0(runtime: Runtime) -> None:
     """FSDP2 on the notes' CNN; rank 0 alone evaluates, as ``if rank == 0: evaluate(model)`` does."""
+    from .models import build_model, materialize  # imports torchvision: only the case that needs it pays
+    from .parallel.fsdp2 import FSDP2
+
     model = FSDP2().wrap(materialize(build_model("cnn", device="meta"), runtime.device, seed=0), runtime)
     images = torch.zeros(8, 1, 28, 28, device=runtime.device)
     model.eval()
