@@ -124,16 +124,42 @@ def train_each(runtime, configs: dict):
     return {name: train_and_report(runtime, cfg)["state"] for name, cfg in configs.items()}
 
 
+def in_float64(fn):
+    """``fn`` with every tensor the run makes in float64 (data, weights, flat buffers, collectives)."""
+
+    def run(runtime, *args):
+        torch.set_default_dtype(torch.float64)
+        return fn(runtime, *args)
+
+    return run
+
+
+def train_and_report_in_float64(runtime, cfg):
+    return in_float64(train_and_report)(runtime, cfg)
+
+
+def train_each_in_float64(runtime, configs):
+    return in_float64(train_each)(runtime, configs)
+
+
 def test_every_zero_stage_with_adam_accumulation_and_clipping_on_4_ranks(tmp_path):
     # The CNN's 405,898 parameters do not divide by 4, so every flat buffer is padded;
     # Adam, two micro-steps and a clipping norm that bites make every stage's
     # bookkeeping count: the sharded optimizer, the reduce-scattered gradients, the norm.
+    # In float64: Adam divides each gradient by its own magnitude, so where a gradient is within
+    # float32 rounding of zero, 4 ranks' sums and one process's (added in other orders) step the
+    # weight differently (measured: 24 of conv1's 800 weights up to 3.5e-5 apart on an AMD EPYC with torch
+    # 2.15, within 5e-6 on the Xeon where this test was written). In float64 that rounding is 1e-16; a
+    # bookkeeping mistake still moves weights by about the learning rate.
     options = dict(optimizer="adam", lr=1e-3, max_grad_norm=0.05)
-    reference = _single(tmp_path, 4 * 4 * 2, **options)  # 4 ranks x 2 micro-steps x 4 samples
+    reference = run_ranks(
+        train_and_report_in_float64, 1, tmp_path, _config(strategy="single", batch_size=4 * 4 * 2, **options)
+    )[0]  # 4 ranks x 2 micro-steps x 4 samples
+    assert all(t.dtype == torch.float64 for t in reference["state"].values() if t.is_floating_point())
     configs = {
         name: _config(strategy=name, accum_steps=2, batch_size=4, **options) for name in ("zero1", "zero2", "zero3")
     }
-    for rank, states in enumerate(run_ranks(train_each, 4, tmp_path, configs)):
+    for rank, states in enumerate(run_ranks(train_each_in_float64, 4, tmp_path, configs)):
         for name, state in states.items():
             assert_same_state(state, reference["state"], label=f"rank {rank} {name}")
 
