@@ -51,10 +51,8 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_same_weights(tmp_path, re
     flags += ["--fail-at-step=5", "--fail-rank=1", "--save-model", f"--out={tmp_path}", "--run-name=restarted"]
     command = torchrun_command(2, "distlab.train", *flags)
     command.insert(command.index("--standalone") + 1, "--max-restarts=1")
-    # torchrun (2.15) keeps one store across restarts by default, holding the dead attempt's gloo
-    # addresses: a restarted rank that reads one before its peer rewrites it fails to connect.
-    # A store per attempt avoids it.
-    env = {**launcher_environment(1), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # torchrun keeps one store across restarts; distlab.runtime gives each attempt keys of its own.
+    env = launcher_environment(1)
     job = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "resumed from" in job.stdout and "step 3" in job.stdout, job.stdout[-2000:]

@@ -135,7 +135,13 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
         if chosen == "nccl":
             kwargs["device_id"] = target
         if launched:
-            dist.init_process_group(**kwargs)
+            # torchrun keeps one store across restarts: each attempt takes keys of its own, or a restarted
+            # rank can read a dead attempt's address (gloo) or unique id (NCCL) before its peer rewrites it.
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(
+                store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world_size, **kwargs
+            )
         else:
             # One rank, no launcher: an in-memory store needs no port.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
