@@ -12,12 +12,12 @@ afterwards (:func:`materialize`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.models.resnet import BasicBlock, ResNet
 
 from .runtime import DistlabError
 
@@ -90,22 +90,37 @@ class MnistCNN(nn.Module):
         reset_module(module)
 
 
-class ResNet18(ResNet):
-    """torchvision's ResNet-18, first conv adapted to the input's channels;
-    its four residual stages are the shard units."""
+@cache
+def resnet18_class() -> type[nn.Module]:
+    """``ResNet18``, defined on first use: importing torchvision's models costs every rank process
+    seconds, and most runs never build a ResNet."""
+    from torchvision.models.resnet import BasicBlock, ResNet
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 10):
-        super().__init__(BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
-        if in_channels != 3:
-            self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    class ResNet18(ResNet):
+        """torchvision's ResNet-18, first conv adapted to the input's channels;
+        its four residual stages are the shard units."""
 
-    def shard_units(self) -> list[nn.Module]:
-        return [self.layer1, self.layer2, self.layer3, self.layer4]
+        def __init__(self, in_channels: int = 3, num_classes: int = 10):
+            super().__init__(BasicBlock, [2, 2, 2, 2], num_classes=num_classes)
+            if in_channels != 3:
+                self.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
 
-    def init_module(self, module: nn.Module) -> None:
-        reset_module(module)
-        if isinstance(module, nn.Conv2d):  # torchvision's own initialisation of the convolutions
-            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        def shard_units(self) -> list[nn.Module]:
+            return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+        def init_module(self, module: nn.Module) -> None:
+            reset_module(module)
+            if isinstance(module, nn.Conv2d):  # torchvision's own initialisation of the convolutions
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    ResNet18.__qualname__ = "ResNet18"  # pickled by name, found again through the module's __getattr__
+    return ResNet18
+
+
+def __getattr__(name: str):
+    if name == "ResNet18":
+        return resnet18_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -220,7 +235,7 @@ def build_model(
         if name == "cnn":
             return MnistCNN(in_channels, num_classes, image_size)
         if name == "resnet18":
-            return ResNet18(in_channels, num_classes)
+            return resnet18_class()(in_channels, num_classes)
         if name in GPT_PRESETS:
             return GPT(GPT_PRESETS[name])
     raise DistlabError(f"unknown model {name!r}: choose from {', '.join(MODEL_NAMES)}")
