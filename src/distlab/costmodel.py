@@ -33,6 +33,7 @@ from .models import GPT_PRESETS
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 << 20  # torch DDP's and the course's default bucket cap
+# bytes each rank sends per byte of the whole tensor, for a ring algorithm (nccl-tests' bus factor)
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
 RING_FACTOR["reduce_scatter"] = RING_FACTOR["all_gather"]
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}

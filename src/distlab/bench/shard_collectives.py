@@ -19,16 +19,10 @@ import torch.distributed as dist
 
 from ..cli import BenchConfig, finish_run, option, parse
 from ..collectives import ring_all_gather, ring_reduce_scatter, segment_bounds
+from ..costmodel import RING_FACTOR
 from ..parallel.flat_param import all_gather_flat, reduce_scatter_flat
 from ..runtime import Runtime, distributed, run_main
 from .harness import human_bytes, parse_sizes, round_robin, summarize_times
-
-# bytes each rank must send per byte of the full tensor, for a ring algorithm
-RING_VOLUME = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-}
 
 
 def _variants(full: torch.Tensor, runtime: Runtime) -> tuple[dict[tuple[str, str], object], torch.Tensor]:
@@ -74,7 +68,7 @@ def sweep(runtime: Runtime, sizes: list[int], warmup: int, repeats: int) -> list
         times = round_robin(steps, runtime, repeats, warmup, prepare=lambda name: work.copy_(full))
         for (collective, impl), name in zip(calls, steps):
             stats = summarize_times(times[name])
-            busbw = numel * 4 * RING_VOLUME[collective](n) / stats["time_s"]
+            busbw = numel * 4 * RING_FACTOR[collective](n) / stats["time_s"]
             rows.append(
                 {"collective": collective, "impl": impl, "bytes": numel * 4, **stats, "busbw_GBps": busbw / 1e9}
             )
