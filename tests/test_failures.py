@@ -30,6 +30,9 @@ def test_gloo_failures_raised_as_plain_runtime_errors_are_recognised():
     assert collective_failure(RuntimeError(closed)) == "peer" and torch_says(RuntimeError(closed)) == (
         "Connection closed by peer"
     )
+    closed_after_timeout = RuntimeError("Application timeout caused pair closure")
+    assert collective_failure(closed_after_timeout) == "timeout"
+    assert torch_says(closed_after_timeout) == "a peer timed out and closed the connection"
     assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     assert collective_failure(ValueError("Timed out waiting")) is None
 

@@ -130,6 +130,7 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
         torch.cuda.set_device(target)
 
     owns_group = not dist.is_initialized()
+    reports = None
     if owns_group:
         kwargs = dict(backend=chosen, timeout=timedelta(seconds=timeout_s))
         if chosen == "nccl":
@@ -139,9 +140,9 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
             # rank can read a dead attempt's address (gloo) or unique id (NCCL) before its peer rewrites it.
             store, rank, world_size = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            dist.init_process_group(
-                store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world_size, **kwargs
-            )
+            store = dist.PrefixStore(f"attempt{attempt}/", store)
+            dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
+            reports = FailureReports(store, rank, world_size, timeout_s)
         else:
             # One rank, no launcher: an in-memory store needs no port.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -152,9 +153,59 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)
     try:
         yield runtime
+    except Exception as err:
+        if reports is not None and collective_failure(err):
+            err.distlab_reports = reports
+        raise
+    else:
+        if reports is not None and rank == 0:
+            reports.finished()
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class FailureReports:
+    """Where the ranks of a job whose collectives failed say what each saw, through torchrun's store (which
+    outlives the process group). torchrun stops every rank as soon as one exits: rank 0 leaves last, once
+    every rank has written its line or its peers' collectives must have timed out too, and names the cause."""
+
+    store: Any
+    rank: int
+    world_size: int
+    timeout_s: float
+
+    def _try(self, call, default=None):
+        try:
+            return call()
+        except Exception:  # the store is gone with its host: nobody is left to tell
+            return default
+
+    def add(self, kind: str) -> None:
+        self._try(lambda: self.store.set(f"distlab/failed/{self.rank}", kind))
+        self._try(lambda: self.store.add("distlab/failed", 1))
+
+    def finished(self) -> None:
+        """Rank 0 ended well: a rank still reporting a failure need not wait for it."""
+        self._try(lambda: self.store.set("distlab/finished", "1"))
+
+    def wait(self) -> list[str]:
+        """Rank 0: the kinds every rank reported, once all have (or the peers' timeout has passed). Other
+        ranks: wait for torchrun to stop them when rank 0 leaves, at most as long; return nothing."""
+        deadline = time.monotonic() + self.timeout_s + 2.0
+        while time.monotonic() < deadline:
+            reported = self._try(lambda: self.store.add("distlab/failed", 0), self.world_size)
+            if self.rank == 0 and reported >= self.world_size:
+                break
+            if self.rank != 0 and self._try(lambda: self.store.check(["distlab/finished"]), True):
+                return []
+            time.sleep(0.1)
+        said = [self._try(lambda r=rank: self.store.get(f"distlab/failed/{r}").decode()) for rank in self._reported()]
+        return [kind for kind in said if kind]
+
+    def _reported(self) -> list[int]:
+        return [r for r in range(self.world_size) if self._try(lambda r=r: self.store.check([f"distlab/failed/{r}"]))]
 
 
 def synchronize(device: torch.device) -> None:
@@ -190,7 +241,7 @@ def collective_site(where: str, fix: str = "", this_rank: str = "") -> Iterator[
 
 _PEER_FAILURE = re.compile(
     r"Timed out waiting|Connection (closed|reset) by peer|failed to pass monitoredBarrier|"
-    r"Detected mismatch between collectives|Broken pipe",
+    r"Detected mismatch between collectives|Broken pipe|Application timeout caused pair closure",
     re.IGNORECASE,
 )
 
@@ -227,6 +278,8 @@ def torch_says(err: BaseException) -> str:
         # not the call its code made: only a peer at the same position is named; its own line says the rest.
         peer = f"rank {other and other[1]} in {peer}" if peer_seq == my_seq else "the other rank in another collective"
         return f"TORCH_DISTRIBUTED_DEBUG=DETAIL: rank {rank and rank[1]} is in {me}, {peer}"
+    if "Application timeout caused pair closure" in text:  # gloo's words on the rank whose peer gave up first
+        return "a peer timed out and closed the connection"
     first = text.splitlines()[0] if text else type(err).__name__
     first = re.sub(r"^(\[[^\]]*\]:?\s*)+|\s*\[[^\]]*\]:\d+", "", first)  # no source path, no address
     return first.split(". ")[0]
@@ -262,12 +315,15 @@ def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> 
     who = f"rank {rank} ({err.distlab_rank})" if getattr(err, "distlab_rank", "") else f"rank {rank}"
     where = getattr(err, "distlab_site", None) or _site_in_traceback(err)
     say(f"distlab: {who} stopped in {where}, which its peers never matched ({torch_says(err)})")
-    if "LOCAL_RANK" in os.environ:
-        # torchrun stops the job as soon as one rank exits. The ranks fail within milliseconds of each other;
-        # rank 0 leaves first, after a moment's grace that lets every rank's line out.
-        time.sleep(1.0 if rank == "0" else 2.0)
+    reports = getattr(err, "distlab_reports", None)
+    kinds = [kind]
+    if reports is not None:
+        reports.add(kind)
+        kinds += reports.wait()
     if rank == "0":
-        say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[kind]}")
+        # A rank that saw its peer leave is not the cause: the rank that waited, or met another collective, is.
+        cause = next(k for k in ("mismatch", "timeout", "peer") if k in kinds)
+        say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[cause]}")
 
 
 def run_main(main, argv=None) -> None:
