@@ -30,6 +30,13 @@ CNN_PARAMETERS = 405_898
 """Parameters of the reference notes' MNIST CNN (:class:`distlab.models.MnistCNN`)."""
 
 
+RANK_START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
+"""How :func:`run_ranks` starts its ranks. On Linux each rank is forked from a server process that imported
+torch and distlab once (a spawned rank spends seconds importing them again); not from the test process,
+whose autograd threads a forked child cannot use. macOS and Windows spawn: fork is unsafe or absent there."""
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "distlab.train", "distlab.testing"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -41,6 +48,8 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)  # 2-core machines: several ranks must not fight over threads
+    if RANK_START_METHOD == "forkserver":
+        torch.seed()  # a fresh random seed, as a new process has, not the server's RNG state on every rank
     from .runtime import distributed
 
     with distributed("cpu", timeout_s=120) as runtime:
@@ -60,7 +69,15 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
     ranks: a failure inside a rank surfaces only as an opaque spawn error."""
     out_dir = Path(tmp_path) / f"ranks-{fn.__name__}-{world_size}-{free_port()}"
     out_dir.mkdir(parents=True)
-    mp.spawn(_rank_entry, args=(world_size, free_port(), fn, args, str(out_dir)), nprocs=world_size, join=True)
+    if RANK_START_METHOD == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(PRELOADED)  # read once, when the server starts
+    mp.start_processes(
+        _rank_entry,
+        args=(world_size, free_port(), fn, args, str(out_dir)),
+        nprocs=world_size,
+        join=True,
+        start_method=RANK_START_METHOD,
+    )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
