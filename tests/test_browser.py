@@ -40,7 +40,7 @@ def _why_not() -> str | None:
     if not (SITE / "intro.html").is_file():
         return f"no built site in {SITE}: run `jupyter-book build book` first"
     if not CHROMIUM:
-        return "no Chromium: apt-get install chromium (Debian's; .ci/run installs it)"
+        return "no Chromium: apt-get install chromium (Debian's; scripts/check_site.sh runs this test)"
     if importlib.util.find_spec("playwright") is None:
         return "no playwright: pip install -r requirements.txt"
     return None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distlab.results import SCHEMA, read_result
-from distlab.testing import CNN_PARAMETERS, run_torchrun
+from distlab.testing import CNN_PARAMETERS, run_ranks, run_torchrun
 
 QUICK = [
     "--model",
@@ -339,25 +339,21 @@ def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
     assert "--seq-len" in done.stderr
 
 
+def train_main(runtime, argv: list[str]) -> None:
+    """``distlab.train``'s entry point on ranks :func:`run_ranks` started (torchrun's are tested above)."""
+    from distlab.train import main
+
+    main(argv)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy):
     from distlab.memory import expected_state_bytes, shard_unit_shapes
     from distlab.models import build_model
 
-    args = [
-        "--model",
-        "gpt-tiny",
-        "--batch-size",
-        "8",
-        "--synthetic-size",
-        "256",
-        "--max-steps",
-        "3",
-        "--num-workers",
-        "0",
-    ]
-    run = run_torchrun(2, "distlab.train", "--strategy", strategy, "--device", "cpu", *args, "--out", str(tmp_path))
-    assert run.returncode == 0, run.stderr[-3000:]
+    args = ["--model", "gpt-tiny", "--batch-size", "8", "--synthetic-size", "256", "--max-steps", "3"]
+    args += ["--num-workers", "0"]
+    run_ranks(train_main, 2, tmp_path, ["--strategy", strategy, "--device", "cpu", *args, "--out", str(tmp_path)])
     metrics = read_result(tmp_path / f"{strategy}-gpt-tiny-synthetic-2xcpu.json")["metrics"]
     units = shard_unit_shapes(build_model("gpt-tiny"))
     for rank, measured in enumerate(metrics["memory"]["ranks"]):

@@ -17,15 +17,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ci_runs_exactly_the_readme_commands():
+def test_ci_runs_the_readme_test_command_and_the_site_check_its_build_command():
     readme = (ROOT / "README.md").read_text()
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    for command in (
+    test, build = (
         "pip install -r requirements.txt && python -m pytest",
         "pip install -r requirements.txt && jupyter-book build book",
-    ):
-        assert command in readme
-        assert command in ci_lines
+    )
+    assert test in readme and build in readme
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test in ci_lines
+    site_lines = [line.strip() for line in (ROOT / "scripts" / "check_site.sh").read_text().splitlines()]
+    assert build in site_lines and any("tests/test_site.py tests/test_browser.py" in line for line in site_lines)
 
 
 def test_book_toc_and_labs_are_wired():
