@@ -214,9 +214,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path, capsys)
     record = json.loads((tmp_path / "single-gpt-tiny-synthetic-1xcpu.json").read_text())
     tolerance = record["metrics"]["fault_tolerance"]
     assert tolerance["resumed_from_step"] == 2 and record["metrics"]["optimizer_steps"] == 6
-    assert tolerance["resumes"] == [
-        {"restart": 0, "resumed_from_step": 2, "last_step_reached": 4, "steps_lost": 2}
-    ]
+    assert tolerance["resumes"] == [{"restart": 0, "resumed_from_step": 2, "last_step_reached": 4, "steps_lost": 2}]
     assert (folder / "latest").read_text() == "step-6" and not (folder / "step-4.partial").exists()
 
     def refusal(*wrong) -> str:

@@ -118,8 +118,9 @@ class StrategyState:
     def apply(self) -> None:
         if self.layout == PER_PARAMETER:
             optimizer_state = {"state": self.tensors["optimizer"], "param_groups": self.param_groups}
+            model_state = self.tensors["model"]
             set_state_dict(
-                unwrap(self.model), self.optimizer, model_state_dict=self.tensors["model"], optim_state_dict=optimizer_state
+                unwrap(self.model), self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
             )
 
 

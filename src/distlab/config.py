@@ -146,7 +146,8 @@ class CheckpointConfig:
         "each published whole by a rename, and a 'latest' file naming the newest",
     )
     checkpoint_every: int = option(
-        0, "save every this many optimizer steps, and at the end of the run (0: only at the end; needs --checkpoint-dir)"
+        0,
+        "save every this many optimizer steps, and at the end of the run (0: only at the end; needs --checkpoint-dir)",
     )
     resume: str = option(
         "auto",
@@ -247,7 +248,9 @@ class TrainConfig:
         if c.checkpoint_every and not c.checkpoint_dir:
             raise DistlabError("--checkpoint-every needs --checkpoint-dir DIR: where should the checkpoints go?")
         if f.fail_during_save and not (c.checkpoint_dir and f.fail_at_step):
-            raise DistlabError("--fail-during-save needs --checkpoint-dir and --fail-at-step (the step whose save dies)")
+            raise DistlabError(
+                "--fail-during-save needs --checkpoint-dir and --fail-at-step (the step whose save dies)"
+            )
         if f.fail_at_step < 0 or f.fail_rank < 0:
             raise DistlabError("--fail-at-step and --fail-rank take a step and a rank (0 or more)")
 

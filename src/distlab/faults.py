@@ -125,7 +125,8 @@ class FaultTolerance:
         self.folder = CheckpointFolder(cfg.checkpoint.checkpoint_dir, run.runtime)
         self.every = cfg.checkpoint.checkpoint_every
         self.last_step = run.steps_per_epoch * cfg.training.epochs  # saved by at_end, once its epoch is recorded
-        self.faults = FaultInjection(cfg.faults.fail_at_step, cfg.faults.fail_rank, cfg.faults.fail_during_save, run.runtime)
+        faults = cfg.faults
+        self.faults = FaultInjection(faults.fail_at_step, faults.fail_rank, faults.fail_during_save, run.runtime)
         self.log = RestartLog(cfg.checkpoint.checkpoint_dir, run.runtime)
         self.saved_at: int | None = None
 

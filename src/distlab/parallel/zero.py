@@ -89,7 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         The state must exist already (a checkpoint initialises it first)."""
         mesh = segment_owners_mesh(device_type, list(range(dist.get_world_size(self.group))))
         return {
-            name: self.flat.shard_as_dtensor(value, mesh) if value.dim() == 1 and value.numel() == self.flat.shard_numel
+            name: self.flat.shard_as_dtensor(value, mesh)
+            if value.dim() == 1 and value.numel() == self.flat.shard_numel
             else value
             for name, value in self.inner.state[self.shard].items()
         }
