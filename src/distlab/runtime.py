@@ -191,9 +191,11 @@ class FailureReports:
         self._try(lambda: self.store.set("distlab/finished", "1"))
 
     def wait(self) -> list[str]:
-        """Rank 0: the kinds every rank reported, once all have (or the peers' timeout has passed). Other
-        ranks: wait for torchrun to stop them when rank 0 leaves, at most as long; return nothing."""
-        deadline = time.monotonic() + self.timeout_s + 2.0
+        """Rank 0: the kinds every rank reported, once all have, or after the collectives' timeout (10 s at
+        most: ranks that fail together do so within a second or two, and a rank stuck outside any collective
+        must not hold the job for another whole timeout). Other ranks: wait for torchrun to stop them when
+        rank 0 leaves, at most as long; return nothing."""
+        deadline = time.monotonic() + min(self.timeout_s, 10.0) + 2.0
         while time.monotonic() < deadline:
             reported = self._try(lambda: self.store.add("distlab/failed", 0), self.world_size)
             if self.rank == 0 and reported >= self.world_size:
