@@ -43,7 +43,7 @@ def test_committed_results_carry_their_environment():
 
 
 def test_nothing_the_book_reads_is_git_ignored():
-    """A clean checkout must hold every file the chapters read (CI builds from one)."""
+    """A clean checkout must hold every file the chapters read (the book is built from one)."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
     book_files = [
