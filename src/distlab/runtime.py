@@ -176,38 +176,48 @@ class FailureReports:
     world_size: int
     timeout_s: float
 
-    def _try(self, call, default=None):
-        try:
-            return call()
-        except Exception:  # the store is gone with its host: nobody is left to tell
-            return default
-
     def add(self, kind: str) -> None:
-        self._try(lambda: self.store.set(f"distlab/failed/{self.rank}", kind))
-        self._try(lambda: self.store.add("distlab/failed", 1))
+        """Count this rank's failure under its kind (a key of :data:`COLLECTIVE_FIXES`)."""
+        try:
+            self.store.add(f"distlab/failed/{kind}", 1)
+        except Exception:  # the store is gone with its host: nobody is left to tell
+            pass
 
     def finished(self) -> None:
         """Rank 0 ended well: a rank still reporting a failure need not wait for it."""
-        self._try(lambda: self.store.set("distlab/finished", "1"))
+        try:
+            self.store.set("distlab/finished", "1")
+        except Exception:
+            pass
+
+    def _counts(self) -> dict[str, int] | None:
+        try:
+            return {kind: self.store.add(f"distlab/failed/{kind}", 0) for kind in COLLECTIVE_FIXES}
+        except Exception:
+            return None
+
+    def _rank0_finished(self) -> bool:
+        try:
+            return self.store.check(["distlab/finished"])
+        except Exception:
+            return True
 
     def wait(self) -> list[str]:
-        """Rank 0: the kinds every rank reported, once all have, or after the collectives' timeout (10 s at
+        """Rank 0: the kinds the ranks reported, once all have, or after the collectives' timeout (10 s at
         most: ranks that fail together do so within a second or two, and a rank stuck outside any collective
         must not hold the job for another whole timeout). Other ranks: wait for torchrun to stop them when
         rank 0 leaves, at most as long; return nothing."""
         deadline = time.monotonic() + min(self.timeout_s, 10.0) + 2.0
         while time.monotonic() < deadline:
-            reported = self._try(lambda: self.store.add("distlab/failed", 0), self.world_size)
-            if self.rank == 0 and reported >= self.world_size:
-                break
-            if self.rank != 0 and self._try(lambda: self.store.check(["distlab/finished"]), True):
-                return []
+            if self.rank != 0:
+                if self._rank0_finished():
+                    return []
+            else:
+                counts = self._counts()
+                if counts is None or sum(counts.values()) >= self.world_size:
+                    break
             time.sleep(0.1)
-        said = [self._try(lambda r=rank: self.store.get(f"distlab/failed/{r}").decode()) for rank in self._reported()]
-        return [kind for kind in said if kind]
-
-    def _reported(self) -> list[int]:
-        return [r for r in range(self.world_size) if self._try(lambda r=r: self.store.check([f"distlab/failed/{r}"]))]
+        return [kind for kind, count in (self._counts() or {}).items() if count]
 
 
 def synchronize(device: torch.device) -> None:
@@ -303,6 +313,7 @@ def _site_in_traceback(err: BaseException) -> str:
     return f"{name}()" + (f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else "")
 
 
+# What to change, by the kind of failure; causes come before the symptoms they produce on other ranks.
 COLLECTIVE_FIXES = {
     "mismatch": "every rank must call the same collectives, in the same order, on tensors of the same shape: "
     "make the code path that differs run on every rank",
@@ -323,8 +334,8 @@ def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> 
         reports.add(kind)
         kinds += reports.wait()
     if rank == "0":
-        # A rank that saw its peer leave is not the cause: the rank that waited, or met another collective, is.
-        cause = next(k for k in ("mismatch", "timeout", "peer") if k in kinds)
+        # COLLECTIVE_FIXES lists causes before symptoms: a rank that saw its peer leave is not the cause.
+        cause = next(k for k in COLLECTIVE_FIXES if k in kinds)
         say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[cause]}")
 
 
