@@ -39,15 +39,25 @@ RING_FACTOR["reduce_scatter"] = RING_FACTOR["all_gather"]
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}
 
 
-def training_flops(model: str, tokens: int, seq_len: int) -> float:
-    """Forward + backward FLOPs of one step of a GPT preset on ``tokens`` tokens, as torch's FLOP
-    counter counts them: 2 per weight per token in every matrix product (the head's too), 3x for
-    forward + backward; attention's scores and weighted sum, 2 x 2 T d per token per layer (computed
-    whole under the causal mask), 3.5x for forward + backward (its backward recomputes the scores)."""
+def matmul_flops(model: str, tokens: int) -> float:
+    """Forward + backward FLOPs of a GPT preset's weight matrix products on ``tokens`` tokens: 2 per weight
+    per token (the head's too), 3x for forward + backward."""
     cfg = GPT_PRESETS[model]
-    matmul_weights = cfg.n_layer * 12 * cfg.d_model**2 + cfg.d_model * cfg.vocab_size
-    attention_per_token = 4 * cfg.n_layer * seq_len * cfg.d_model
-    return (3 * 2 * matmul_weights + 3.5 * attention_per_token) * tokens
+    return 3 * 2 * (cfg.n_layer * 12 * cfg.d_model**2 + cfg.d_model * cfg.vocab_size) * tokens
+
+
+def attention_flops(model: str, tokens: int, seq_len: int) -> float:
+    """Forward + backward FLOPs of attention's scores and weighted sum: 2 x 2 T d per token per layer
+    (computed whole under the causal mask), 3.5x for forward + backward, as torch's FLOP formulas for
+    fused attention count it (the backward recomputes the scores)."""
+    cfg = GPT_PRESETS[model]
+    return 3.5 * 4 * cfg.n_layer * seq_len * cfg.d_model * tokens
+
+
+def training_flops(model: str, tokens: int, seq_len: int) -> float:
+    """Forward + backward FLOPs of one step of a GPT preset on ``tokens`` tokens, as torch's FLOP counter
+    counts them: the matrix products and attention."""
+    return matmul_flops(model, tokens) + attention_flops(model, tokens, seq_len)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
