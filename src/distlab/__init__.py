@@ -3,6 +3,45 @@
 The library behind the course: one training loop for every strategy, the
 from-scratch versions the chapters build, and the benchmarks that write
 result files with provenance.
+
+Supported: Python 3.11 or newer and torch 2.10 or newer (Kaggle's image
+carries Python 3.12 and torch 2.10; the book pins what ``constraints.txt``
+lists). Older versions are refused on import, in one line.
 """
 
+import sys
+
 __version__ = "0.1.0"
+OLDEST_PYTHON = (3, 11)
+OLDEST_TORCH = (2, 10)
+
+
+def unsupported(python: tuple[int, ...], torch_version: str | None) -> str | None:
+    """Why this Python and torch (``None``: not installed) cannot run distlab, or None when they can."""
+    if tuple(python[:2]) < OLDEST_PYTHON:
+        found = ".".join(map(str, python[:3]))
+        return f"distlab needs Python {'.'.join(map(str, OLDEST_PYTHON))} or newer, this is Python {found}"
+    oldest = ".".join(map(str, OLDEST_TORCH))
+    if torch_version is None:
+        return f"distlab needs torch {oldest} or newer, and torch is not installed: pip install -r requirements.txt"
+    release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2] if part.isdigit())
+    if release < OLDEST_TORCH:
+        return f"distlab needs torch {oldest} or newer, this is torch {torch_version}: pip install 'torch>={oldest}'"
+    return None
+
+
+def _refuse_unsupported() -> None:
+    torch_version = None
+    if sys.version_info[:2] >= OLDEST_PYTHON:  # an older Python is refused before torch is looked for
+        try:
+            import torch
+
+            torch_version = torch.__version__
+        except ImportError:
+            pass
+    reason = unsupported(sys.version_info, torch_version)
+    if reason:
+        raise SystemExit(f"distlab: error: {reason}")
+
+
+_refuse_unsupported()
