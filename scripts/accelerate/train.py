@@ -120,7 +120,7 @@ def main() -> None:
     train_loader = DataLoader(
         train_set, batch_size=training.batch_size, shuffle=True, drop_last=True, num_workers=data.num_workers
     )
-    test_loader = DataLoader(test_set, batch_size=data.eval_batch_size)
+    test_loader = DataLoader(test_set, batch_size=cfg.eval_batch_size())
     # One call for all four: under FSDP2 the optimizer must learn the sharded
     # parameters that replace the model's own.
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)

@@ -49,7 +49,10 @@ class DataConfig:
     num_workers: int = option(2, "dataloader: worker processes per rank (keep <= 2 per rank on Kaggle's 4 vCPUs)")
     pin_memory: bool = option(True, "dataloader: page-locked host batches (only with --device cuda)")
     non_blocking: bool = option(True, "dataloader: asynchronous host-to-device copies")
-    eval_batch_size: int = option(512, "samples per rank per evaluation batch")
+    eval_batch_size: int = option(
+        0,
+        "samples per rank per evaluation batch (0: --batch-size, so evaluation never holds more logits than training)",
+    )
 
 
 @dataclass
@@ -204,11 +207,14 @@ class TrainConfig:
         for flag, value in (
             ("--batch-size", t.batch_size),
             ("--accum-steps", t.accum_steps),
-            ("--eval-batch-size", self.data.eval_batch_size),
             ("--epochs", t.epochs),
         ):
             if value < 1:
                 raise DistlabError(f"{flag} must be at least 1, not {value}")
+        if self.data.eval_batch_size < 0:
+            raise DistlabError(
+                f"--eval-batch-size must be 0 (the training batch) or more, not {self.data.eval_batch_size}"
+            )
         self._validate_fsdp_options()
         self._validate_checkpoint_options()
         if model_input_kind(self.model.name) == "tokens":
@@ -253,6 +259,11 @@ class TrainConfig:
             )
         if f.fail_at_step < 0 or f.fail_rank < 0:
             raise DistlabError("--fail-at-step and --fail-rank take a step and a rank (0 or more)")
+
+    def eval_batch_size(self) -> int:
+        """Samples per rank per evaluation batch. By default a training micro-step's: a GPT's logits grow with
+        the vocabulary (gpt-small, 512 sequences of 128 tokens: 13 GB), and evaluation must fit where training did."""
+        return self.data.eval_batch_size or self.training.batch_size
 
     def run_name(self, world_size: int, device_type: str) -> str:
         """The result file's name: ``--run-name``, or what the run was."""

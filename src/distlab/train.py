@@ -381,7 +381,7 @@ def train_epoch(
     epoch_time = time.perf_counter() - start
     sums.all_reduce()
     dist.all_reduce(step_losses)  # one collective an epoch, not one a step
-    test = evaluate(run.model, run.test_set, runtime, cfg.data.eval_batch_size, run.precision)
+    test = evaluate(run.model, run.test_set, runtime, cfg.eval_batch_size(), run.precision)
     return {
         "epoch": state.epoch + 1,
         "train_loss": sums.loss,
