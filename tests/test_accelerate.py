@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distlab.data import DataSpec
-from distlab.launch import launcher_environment
+from distlab.launch import launcher_environment, run_job
 from distlab.testing import ATOL, assert_same_state, run_torchrun
 
 HERE = Path(__file__).resolve().parents[1] / "scripts" / "accelerate"
@@ -49,7 +49,7 @@ def accelerate_launch(
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
     command += ["--num_processes", str(processes), "--main_process_port", "0"]  # port 0: Accelerate picks a free one
     command += [str(script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=launcher_environment(1), cwd=cwd)
+    return run_job(command, timeout=180, env=launcher_environment(1), cwd=cwd)
 
 
 def _ok(job: subprocess.CompletedProcess) -> None:

@@ -7,7 +7,6 @@ refused in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distlab.checkpoint import CheckpointFolder, from_json_tensor, full_state_dict
 from distlab.config import TrainConfig
-from distlab.launch import launcher_environment
+from distlab.launch import launcher_environment, run_job
 from distlab.runtime import distributed, run_main
 from distlab.testing import run_ranks
 from distlab.train import TrainState, build_run, main, train
@@ -198,12 +197,8 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path, capsys)
     flags = ["--strategy", "single", "--model", "gpt-tiny", "--seq-len", "16", "--synthetic-size", "128"]
     flags += ["--batch-size", "8", "--max-steps", "6", "--device", "cpu", "--num-workers", "0", "--out", tmp_path]
     flags += ["--checkpoint-dir", folder, "--checkpoint-every", "2"]
-    killed = subprocess.run(
-        _train_command(*flags, "--fail-at-step", "4", "--fail-during-save"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=launcher_environment(1),
+    killed = run_job(
+        _train_command(*flags, "--fail-at-step", "4", "--fail-during-save"), timeout=120, env=launcher_environment(1)
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert (folder / "latest").read_text() == "step-2"

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from distlab.config import TrainConfig
+from distlab.launch import run_job
 from distlab.results import SCHEMA, read_result
+from distlab.runtime import DistlabError
 from distlab.testing import CNN_PARAMETERS, run_ranks, run_torchrun
 
 QUICK = [
@@ -95,9 +98,7 @@ def test_single_on_real_mnist_files(tmp_path, tiny_mnist):
 
 
 def test_help_explains_every_flag():
-    out = subprocess.run(
-        [sys.executable, "-m", "distlab.train", "--help"], capture_output=True, text=True, timeout=60
-    ).stdout
+    out = run_job([sys.executable, "-m", "distlab.train", "--help"], timeout=60).stdout
     for flag in (
         "--strategy",
         "--model",
@@ -143,12 +144,7 @@ def test_single_strategy_on_two_ranks_is_a_clear_error(tmp_path):
     ids=["fsdp_option_without_fsdp", "reduce_dtype_without_param_dtype", "checkpointing_batchnorm"],
 )
 def test_an_option_that_cannot_apply_is_one_line(tmp_path, flags, says):
-    run = subprocess.run(
-        [sys.executable, "-m", "distlab.train", *QUICK, "--out", str(tmp_path), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_job([sys.executable, "-m", "distlab.train", *QUICK, "--out", str(tmp_path), *flags], timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
 
@@ -165,19 +161,14 @@ def test_reshard_to_a_group_that_does_not_divide_the_ranks_is_one_line(tmp_path)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
-    run = subprocess.run(
-        [sys.executable, "-m", "distlab.train", "--device", "cuda", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = run_job([sys.executable, "-m", "distlab.train", "--device", "cuda", "--out", str(tmp_path)], timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip().startswith("distlab: error:") and "--device cpu" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
 
 
 def test_missing_dataset_without_download_is_one_line(tmp_path):
-    run = subprocess.run(
+    run = run_job(
         [
             sys.executable,
             "-m",
@@ -192,8 +183,6 @@ def test_missing_dataset_without_download_is_one_line(tmp_path):
             "--out",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert run.returncode == 2
@@ -329,10 +318,8 @@ def test_fsdp_options_bench_measures_what_each_option_trades(tmp_path):
 
 
 def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
-    done = subprocess.run(
+    done = run_job(
         [sys.executable, "-m", "distlab.bench.step", "--model", "gpt-tiny", "--seq-len", "128", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [_error_line(done)], done.stderr[-2000:]
@@ -371,3 +358,12 @@ def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
         [banner, "epoch 1/1 | train loss 2.2\n", "terminate called without an active exception\n"]
     )
     assert "terminate called" in crashed and "epoch 1/1" in crashed
+
+
+def test_evaluation_holds_no_more_logits_than_a_training_step():
+    """By default an evaluation batch is a training micro-step's (gpt-small's old default of 512 sequences held
+    13 GB of logits per rank); a batch set by hand is kept."""
+    assert TrainConfig.from_flags(model="gpt-small", batch_size=2).eval_batch_size() == 2
+    assert TrainConfig.from_flags(batch_size=8, eval_batch_size=256).eval_batch_size() == 256
+    with pytest.raises(DistlabError, match="--eval-batch-size must be 0"):
+        TrainConfig.from_flags(eval_batch_size=-1)

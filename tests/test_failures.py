@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distlab.bad_inputs import BAD_INPUTS, try_rows
-from distlab.launch import launcher_environment, torchrun_command
+from distlab.launch import launcher_environment, run_job, torchrun_command
 from distlab.runtime import collective_failure, torch_says
 
 TIMEOUT_S = 3
@@ -43,7 +43,7 @@ def _case(case: str, detail: bool = False) -> tuple[subprocess.CompletedProcess,
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     command = torchrun_command(2, "distlab.failures", "--case", case, "--timeout-s", str(TIMEOUT_S), "--device", "cpu")
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    done = run_job(command, timeout=120, env=env)
     return done, time.monotonic() - started
 
 

@@ -5,14 +5,13 @@ its result file counts the restart and the steps it cost."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
 from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
-from distlab.launch import launcher_environment, torchrun_command
+from distlab.launch import launcher_environment, run_job, torchrun_command
 from distlab.testing import run_ranks
 from distlab.train import train
 
@@ -53,7 +52,7 @@ def test_a_killed_rank_is_restarted_and_resumes_to_the_same_weights(tmp_path, re
     command.insert(command.index("--standalone") + 1, "--max-restarts=1")
     # torchrun keeps one store across restarts; distlab.runtime gives each attempt keys of its own.
     env = launcher_environment(1)
-    job = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    job = run_job(command, timeout=300, env=env)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "resumed from" in job.stdout and "step 3" in job.stdout, job.stdout[-2000:]
 

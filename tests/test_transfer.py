@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import subprocess
 import sys
 import time
 
@@ -18,6 +17,7 @@ import torch
 from distlab import streams
 from distlab.bench import host, transfer
 from distlab.bench.harness import parse_sizes
+from distlab.launch import run_job
 from distlab.results import read_result, write_result
 from distlab.runtime import DistlabError, Runtime
 from distlab.testing import run_ranks
@@ -64,9 +64,7 @@ def test_every_gpu_function_refuses_in_one_sentence_without_cuda(call):
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
 def test_command_line_without_cuda_is_one_line_not_a_traceback():
-    done = subprocess.run(
-        [sys.executable, "-m", "distlab.bench.transfer", "--sizes", "4KB"], capture_output=True, text=True, timeout=120
-    )
+    done = run_job([sys.executable, "-m", "distlab.bench.transfer", "--sizes", "4KB"], timeout=120)
     assert done.returncode == 2
     output = (done.stdout + done.stderr).strip().splitlines()
     assert output == [line for line in output if line.startswith("distlab: error:")] and len(output) == 1, output
@@ -141,11 +139,9 @@ def test_host_copy_rates_and_the_dispatch_time_are_sane():
 
 
 def test_host_command_line_writes_a_result_with_provenance(tmp_path):
-    done = subprocess.run(
+    done = run_job(
         [sys.executable, "-m", "distlab.bench.host", "--sizes", "1MB", "--chunks", "256KB,1MB"]
         + ["--staging-total", "4MB", "--repeats", "2", "--out", str(tmp_path), "--name", "h"],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr

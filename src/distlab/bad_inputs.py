@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .launch import launcher_environment
+from .launch import launcher_environment, run_job
 
 QUICK = ("--model", "cnn", "--device", "cpu", "--max-steps", "2", "--batch-size", "16", "--synthetic-size", "256")
 QUICK += ("--num-workers", "0", "--log-every", "-1", "--eval-batch-size", "256")
@@ -143,9 +142,7 @@ def save_checkpoint(folder: Path, timeout_s: float = 300) -> Path:
     checkpoints = Path(folder) / "saved"
     command = ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "distlab.train", *QUICK]
     command += ["--checkpoint-dir", str(checkpoints), "--out", str(Path(folder) / "saved-result")]
-    done = subprocess.run(
-        python_command(command), capture_output=True, text=True, timeout=timeout_s, env=launcher_environment(1)
-    )
+    done = run_job(python_command(command), timeout=timeout_s, env=launcher_environment(1))
     if done.returncode != 0:
         raise RuntimeError(f"the run that saves the shared checkpoint failed: {done.stderr[-2000:]}")
     return checkpoints
@@ -180,7 +177,7 @@ def try_row(row: BadInput, folder: Path, saved: Path | None = None, timeout_s: f
         command = python_command(row.command({"folder": str(folder), **placeholders}, QUICK))
         command += ["--out", str(folder / "out")]
         started = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=launcher_environment(1))
+        done = run_job(command, timeout=timeout_s, env=launcher_environment(1))
         seconds = time.perf_counter() - started
     after = _files(folder)
     stderr = done.stderr.replace(str(folder), "DIR")  # where the row ran says nothing to a reader

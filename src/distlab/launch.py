@@ -10,8 +10,11 @@ traceback.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,55 @@ class JobOutput:
 
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        todo.extend(kids := children.get(todo.pop(), []))
+        found.extend(kids)
+    return found
+
+
+def stop_job(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a job started in a session of its own, and everything it started. torchrun starts each rank in
+    a session of its own and stops them on SIGTERM; whatever is still alive after ``grace_s`` (a hung rank,
+    a launcher that died first) is killed, the ranks included, so no job outlives its caller."""
+    family = _descendants(process.pid)  # before the launcher exits and its ranks are orphaned
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(grace_s)
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
+    for pid in [process.pid, *family, *_descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait()
+
+
+def run_job(command: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)``, except that a job past
+    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        stop_job(process)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
@@ -65,18 +117,31 @@ def torchrun(
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     command = torchrun_command(nproc, target, *args, launcher=launcher)
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launcher_environment(threads_per_rank)
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=launcher_environment(threads_per_rank),
+        start_new_session=True,
     )
+    # The output streams until the job ends; a job that hangs never closes it, so a watchdog stops it.
+    timed_out = threading.Event()
+    watchdog = threading.Timer(timeout_s, lambda: (timed_out.set(), stop_job(process)))
+    watchdog.start()
     lines = []
     try:
         for line in process.stdout:
             lines.append(line)
             if echo and not _torchrun_noise(line):
                 print(_without_folders(line), end="", flush=True)
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped") from None
+        process.wait()
+    except BaseException:  # Ctrl-C, or an interrupted kernel: the ranks must not run on without it
+        stop_job(process)
+        raise
+    finally:
+        watchdog.cancel()
+    if timed_out.is_set():
+        raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped")
     output = "".join(lines)
     if process.returncode != 0:
         raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {_failure_reason(lines)}")
@@ -84,13 +149,49 @@ def torchrun(
 
 
 def _failure_reason(lines: list[str]) -> str:
-    """The line a failed job's ranks wrote about why (``distlab: error ...`` or ``distlab: rank ...``);
-    without one (a crash), the job's last lines that are not torchrun's own report."""
+    """Why a job failed, in one line: a rank ended by a signal (torchrun's root cause), else the line its
+    ranks wrote about why (``distlab: error ...`` or ``distlab: rank ...``); without either (a crash), the
+    job's last lines that are not torchrun's own report."""
+    killed = _killed_rank(lines)
+    if killed:
+        return killed
     ours = [line.strip() for line in lines if line.startswith(("distlab: error", "distlab: rank"))]
     if ours:
         return ours[0]
     last = [line.strip() for line in lines if line.strip() and not _torchrun_noise(line)][-6:]
     return " | ".join(last) or "no output"
+
+
+def _killed_rank(lines: list[str]) -> str | None:
+    """The rank torchrun names as the root cause, when a signal ended it: which rank and which signal,
+    and for SIGKILL, which the kernel's out-of-memory killer sends without a word, what to lower."""
+    report = "".join(lines).rsplit("Root Cause (first observed failure):", 1)
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", report[-1], re.M) if len(report) == 2 else None
+    code = re.search(r"^\s*exitcode\s*:\s*(-\d+)", report[-1], re.M) if rank else None
+    if not code:
+        return None
+    number = -int(code.group(1))
+    name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
+    if number == signal.SIGKILL:
+        return (
+            f"rank {rank.group(1)} was killed by SIGKILL, most likely by the operating system for using too much "
+            "host memory: lower --batch-size (and --eval-batch-size), or shard the model (--strategy zero3 or fsdp)"
+        )
+    words = _ranks_output(lines)[-1:]
+    return f"rank {rank.group(1)} was killed by {name}" + (f"; the job's last words: {words[0]}" if words else "")
+
+
+def _ranks_output(lines: list[str]) -> list[str]:
+    """The job's non-empty lines before torchrun's own report of a failure (its log lines, its traceback)."""
+    kept = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback") and any(
+            "torchrun" in later or "distributed/run.py" in later for later in lines[i + 1 : i + 3]
+        ):
+            break
+        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not _torchrun_noise(line):
+            kept.append(line.strip())
+    return kept
 
 
 def _without_folders(line: str) -> str:

@@ -89,7 +89,7 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
         else [],
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "git_commit": _git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": _command_line(),
         "backend": None,
         "world_size": 1,

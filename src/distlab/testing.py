@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from .launch import launcher_environment, torchrun_command
+from .launch import launcher_environment, run_job, torchrun_command
 from .models import MnistCNN, reset_module
 
 # float32 SGD over a few steps: only the order of additions differs between
@@ -83,13 +83,7 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
 
 def run_torchrun(nproc: int, target: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a torchrun job to completion, one thread per rank, capturing its output."""
-    return subprocess.run(
-        torchrun_command(nproc, target, *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=launcher_environment(1),
-    )
+    return run_job(torchrun_command(nproc, target, *args), timeout=timeout, env=launcher_environment(1))
 
 
 def written_file(notebook: Path, filename: str) -> str:
