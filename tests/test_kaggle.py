@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from distlab import hardware
 
@@ -223,16 +224,35 @@ def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(
         assert (working / "results" / f"lab0-{name}.json").is_file()
 
 
-def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
+def _site_extension():
     spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
     site = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(site)
+    return site
+
+
+def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
+    site = _site_extension()
     url = site.kaggle_url("https://github.com/someone/distlab/", "main", "labs/lab_fsdp")
     assert (
         url
         == "https://kaggle.com/kernels/welcome?src=https://github.com/someone/distlab/blob/main/notebooks/lab_fsdp.ipynb"
     )
     assert (ROOT / "notebooks" / "lab_fsdp.ipynb").is_file()
+
+
+def test_only_the_repository_config_yml_names_is_linked(tmp_path: Path):
+    """Jupyter Book puts its own repository in the theme's options when _config.yml names none: the
+    extension reads _config.yml itself, so no link points anywhere but this course's repository."""
+    site = _site_extension()
+    book = tmp_path / "book"
+    book.mkdir()
+    (tmp_path / "_config.yml").write_text("title: t\nrepository:\n  path_to_book: book\n")
+    assert site.configured_repository(book) is None
+    (tmp_path / "_config.yml").write_text("repository:\n  url: https://github.com/someone/distlab\n")
+    assert site.configured_repository(book) == "https://github.com/someone/distlab"
+    named = yaml.safe_load((ROOT / "_config.yml").read_text()).get("repository", {}).get("url")
+    assert site.configured_repository(ROOT / "book") == named
 
 
 def test_every_result_records_what_decides_nccl_transport(monkeypatch):

@@ -49,6 +49,25 @@ def test_each_cell_shows_at_most_a_few_output_boxes():
     assert not crowded, f"cells with more than {MOST_OUTPUT_BOXES_PER_CELL} output boxes: {crowded}"
 
 
+def test_open_in_kaggle_opens_a_notebook_of_this_repository():
+    """A lab page links "Open in Kaggle" only when _config.yml names this course's repository, and the link
+    opens that lab's notebook there, never Jupyter Book's default repository."""
+    labs = [page for page in _pages() if page.parent.name == "labs"]
+    assert labs, "the site has lab pages"
+    repository = (yaml.safe_load((BOOK.parent / "_config.yml").read_text()).get("repository") or {}).get("url")
+    for page in labs:
+        links = re.findall(r'href="https://kaggle\.com/kernels/welcome\?src=([^"]+)"', page.read_text(errors="replace"))
+        assert "executablebooks" not in page.read_text(errors="replace"), page.name
+        if not repository:
+            assert links == [], f"{page.name} links Kaggle to a repository _config.yml does not name"
+            continue
+        assert len(links) == 1, page.name
+        prefix = f"{repository.rstrip('/')}/blob/"
+        assert links[0].startswith(prefix), links[0]
+        path = links[0][len(prefix) :].split("/", 1)[1]
+        assert path == f"notebooks/{page.stem}.ipynb" and (BOOK.parent / path).is_file(), links[0]
+
+
 NOTES = {"000", "001", "002", "003", "004"}
 TOPICS = {"pin_memory", "DDP", "ring", "FSDP", "speed-ups", "scaling", "memory", "platforms"}
 FINDINGS = {"holds", "wrong", "holds only when", "not checked"}

@@ -5,7 +5,8 @@
 * Sphinx 7.4 writes a body-only script twice (sphinx-doc/sphinx#13402, fixed
   in 8.x), which makes the browser report a redeclared identifier.
 * Each lab page links "Open in Kaggle", once ``_config.yml`` names the
-  repository's public URL (``repository.url``); no link is made up before.
+  repository's public URL (``repository.url``); no link is made up before
+  (Jupyter Book fills in its own repository where none is named).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import yaml
 from sphinx.builders.html import StandaloneHTMLBuilder
 
 
@@ -30,6 +32,15 @@ def kaggle_url(repository_url: str, branch: str, pagename: str) -> str:
     return f"https://kaggle.com/kernels/welcome?src={repository_url.rstrip('/')}/blob/{branch}/notebooks/{name}.ipynb"
 
 
+def configured_repository(source: Path) -> str | None:
+    """``repository.url`` of the ``_config.yml`` the build uses (the first one from ``source`` upwards)."""
+    for folder in [source, *source.parents]:
+        if (folder / "_config.yml").is_file():
+            config = yaml.safe_load((folder / "_config.yml").read_text()) or {}
+            return (config.get("repository") or {}).get("url") or None
+    return None
+
+
 def _offer_notebook(app, pagename, templatename, context, doctree):
     if context.get("page_source_suffix") in (None, ".ipynb"):
         return
@@ -42,11 +53,11 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
 
 
 def _open_in_kaggle(app, pagename, templatename, context, doctree):
-    options = app.config.html_theme_options or {}
-    repository = options.get("repository_url", "")
+    repository = configured_repository(Path(app.srcdir).resolve())
     if not repository or not pagename.startswith("labs/") or "body" not in context:
         return
-    url = kaggle_url(repository, options.get("repository_branch") or "main", pagename)
+    branch = (app.config.html_theme_options or {}).get("repository_branch") or "main"
+    url = kaggle_url(repository, branch, pagename)
     link = f'<p class="distlab-kaggle"><a class="reference external" href="{url}">Open in Kaggle</a></p>\n'
     context["body"] = link + context["body"]
 
