@@ -47,6 +47,8 @@ def _why_not() -> str | None:
 
 
 if _why_not():
+    if os.environ.get("DISTLAB_REQUIRE_SITE"):  # CI, right after building the site: a skip would hide it
+        raise pytest.UsageError(f"DISTLAB_REQUIRE_SITE is set, but {_why_not()}")
     pytest.skip(_why_not(), allow_module_level=True)
 
 _playwright = pytest.importorskip("playwright.sync_api")

@@ -17,15 +17,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ci_runs_the_readme_test_command_and_the_site_check_its_build_command():
+def test_ci_runs_the_readme_commands_the_site_tests_and_the_kaggle_stack_in_order():
     readme = (ROOT / "README.md").read_text()
     test, build = (
         "pip install -r requirements.txt && python -m pytest",
         "pip install -r requirements.txt && jupyter-book build book",
     )
     assert test in readme and build in readme
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert test in ci_lines
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    for part in ("readme_tests", "readme_book", "site_tests", "kaggle_stack"):
+        assert f"{part}() {{" in ci, f".ci/run defines no {part}"
+    assert f"readme_tests() {{ {test}; }}" in ci and f"readme_book() {{ {build}; }}" in ci
+    calls = [line.split()[-1] for line in ci.splitlines() if line.startswith("timed ")]
+    assert calls == ["main_stack", "readme_tests", "readme_book", "site_tests", "kaggle_stack"]
+    assert "tests/test_site.py tests/test_browser.py" in ci and "DISTLAB_REQUIRE_SITE=1" in ci
+    assert "--no-deps" in ci and ".ci/kaggle-requirements.txt" in ci and "DISTLAB_PLAY_EVERY_LAB=1" in ci
+    kaggle = (ROOT / ".ci" / "kaggle-requirements.txt").read_text().splitlines()
+    assert {"torch==2.10.0", "torchvision==0.25.0", "accelerate==1.13.0"} <= set(kaggle)
     site_lines = [line.strip() for line in (ROOT / "scripts" / "check_site.sh").read_text().splitlines()]
     assert build in site_lines and any("tests/test_site.py tests/test_browser.py" in line for line in site_lines)
 

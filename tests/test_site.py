@@ -10,6 +10,7 @@ heading in some book/*.md, which is what lets the page's {ref} roles resolve.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -28,6 +29,8 @@ MOST_OUTPUT_BOXES_PER_CELL = 4
 def _pages() -> list[Path]:
     pages = sorted(SITE.rglob("*.html")) if SITE.is_dir() else []
     if not pages:
+        if os.environ.get("DISTLAB_REQUIRE_SITE"):  # CI, right after building the site: a skip would hide it
+            pytest.fail("DISTLAB_REQUIRE_SITE is set, but there is no built site in _build/html")
         pytest.skip("no built site: run `jupyter-book build book` first")
     return pages
 
