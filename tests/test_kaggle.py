@@ -232,6 +232,7 @@ def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(
 
 
 def _site_extension():
+    pytest.importorskip("sphinx", reason="the book's extension needs Sphinx, which the book's stack has")
     spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
     site = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(site)
