@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before init_process_group: see main)
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
@@ -232,9 +233,13 @@ def main() -> None:
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every process would start a context on GPU 0
+    # torch.distributed.nn's functions take the default group as a default argument, which Python fixes when the
+    # module is imported. Imported after this line (DDP's first use imports it), they would keep the group alive
+    # after destroy_process_group, and its gloo threads could then abort the process as it exits: it is imported
+    # above, while there is no group yet.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # the backend follows the device
     try:
-        train(args, device)
+        train(args, device)  # the model, which holds the group, is gone when train returns
     finally:
         dist.destroy_process_group()  # even after an error: no rank leaves its peers waiting on a dead group
 

@@ -12,6 +12,8 @@ is already initialised is reused and left alone on exit.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import re
 import sys
@@ -112,12 +114,31 @@ def pick_backend(device: torch.device, backend: str = "auto") -> str:
     return backend
 
 
+GROUP_AS_DEFAULT_ARGUMENT = ("torch.distributed.nn", "torch.distributed.fsdp.sharded_grad_scaler")
+"""torch modules whose functions take ``group=dist.group.WORLD`` as a default argument, which Python evaluates
+once, when the module is imported: imported after ``init_process_group`` (DDP's first use imports
+``torch.distributed.nn``, through ``torch._dynamo``; distlab's FSDP imports the sharded GradScaler), they hold
+the default group for the life of the process, past ``destroy_process_group``. :func:`distributed` imports them
+before it creates the group, while ``group.WORLD`` is still None."""
+
+
+def _release_group() -> None:
+    """Destroy the process group so that it is really gone: nothing may still hold it. A gloo group that outlives
+    ``destroy_process_group`` keeps its worker threads; it is then destroyed where that is unsafe: by a C++
+    owner (DDP's Reducer) with the GIL held, while a worker thread waits for the GIL to free a tensor (a
+    deadlock), or at interpreter shutdown, where a worker thread that asks for the GIL is ended by
+    ``pthread_exit`` inside a destructor: ``terminate called without an active exception`` (SIGABRT)."""
+    gc.collect()  # FSDP's modules and hooks form reference cycles: the garbage among them may hold the group
+    dist.destroy_process_group()
+
+
 @contextmanager
 def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Runtime]:
     """Run the body inside a process group; tear it down however the body ends.
 
     ``timeout_s`` bounds every collective, so a rank whose peer died raises an
-    error instead of waiting forever.
+    error instead of waiting forever. The body must not keep what holds the group (a DDP or FSDP model) past
+    its end: call a function inside the ``with`` and keep only its plain results (:func:`_release_group`).
     """
     launched = "WORLD_SIZE" in os.environ
     rank = _env_int("RANK", 0)
@@ -132,6 +153,8 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     owns_group = not dist.is_initialized()
     reports = None
     if owns_group:
+        for module in GROUP_AS_DEFAULT_ARGUMENT:
+            importlib.import_module(module)
         kwargs = dict(backend=chosen, timeout=timedelta(seconds=timeout_s))
         if chosen == "nccl":
             kwargs["device_id"] = target
@@ -153,16 +176,20 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)
     try:
         yield runtime
-    except Exception as err:
+    except BaseException as err:
         if reports is not None and collective_failure(err):
             err.distlab_reports = reports
+        if owns_group:
+            # The traceback keeps the failed body's frames, and with them its model, which holds the group:
+            # their locals go before the group does (the traceback still names every line).
+            traceback.clear_frames(err.__traceback__)
         raise
     else:
         if reports is not None and rank == 0:
             reports.finished()
     finally:
         if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            _release_group()
 
 
 @dataclass
@@ -378,10 +405,3 @@ def run_main(main, argv=None) -> None:
             raise
         report_collective_failure(err, kind, rank, say)
         raise SystemExit(3) from None
-    if "LOCAL_RANK" in os.environ and "PYTEST_CURRENT_TEST" not in os.environ:
-        # A torchrun rank whose job is done (results written, group destroyed) skips interpreter
-        # shutdown: there, once in a few hundred runs, a gloo thread still being torn down aborts the
-        # process ("terminate called without an active exception") and fails a finished job.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)

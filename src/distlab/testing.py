@@ -53,14 +53,8 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -
     from .runtime import distributed
 
     with distributed("cpu", timeout_s=120) as runtime:
-        value = fn(runtime, *args)
+        value = fn(runtime, *args)  # what fn built (a DDP or FSDP model holds the group) is gone when it returns
     torch.save(value, Path(out_dir) / f"rank{rank}.pt")
-    # The group is destroyed and the result saved. Skip interpreter shutdown:
-    # once in a few hundred runs a gloo thread still being destructed there
-    # aborts the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:

@@ -444,29 +444,33 @@ def slowest_median_step_s(result: TrainResult, skip: int = 3) -> float | None:
     return None if median.isnan().item() else median.item()
 
 
+def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
+    """Train, then write the result (and the model, with ``--save-model``) on rank 0."""
+    started = time.perf_counter()
+    result = train(cfg, runtime)
+    total_time = time.perf_counter() - started
+    memory = gather_per_rank(result.state.memory, runtime)
+    metrics = {
+        "memory": {"ranks": memory},
+        "epochs": result.history,
+        "total_time_s": total_time,
+        "parameters": result.parameters,
+        "optimizer_steps": result.state.global_step,
+        "step_time_median_s": slowest_median_step_s(result),
+        "fault_tolerance": result.fault_tolerance,
+    }
+    name = cfg.run_name(runtime.world_size, runtime.device.type)
+    state = full_state_dict(result.model, rank0_only=True) if cfg.checkpoint.save_model else None  # every rank joins
+    path = finish_run(runtime, cfg.output.out, name, "train", cfg.to_dict(), metrics)
+    if path is not None and state is not None:
+        torch.save(state, path.with_suffix(".pt"))
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(TrainConfig, argv, "distlab.train")
     with distributed(cfg.parallel.device, cfg.parallel.backend, cfg.parallel.timeout_s) as runtime:
-        started = time.perf_counter()
-        result = train(cfg, runtime)
-        total_time = time.perf_counter() - started
-        memory = gather_per_rank(result.state.memory, runtime)
-        metrics = {
-            "memory": {"ranks": memory},
-            "epochs": result.history,
-            "total_time_s": total_time,
-            "parameters": result.parameters,
-            "optimizer_steps": result.state.global_step,
-            "step_time_median_s": slowest_median_step_s(result),
-            "fault_tolerance": result.fault_tolerance,
-        }
-        name = cfg.run_name(runtime.world_size, runtime.device.type)
-        state = (
-            full_state_dict(result.model, rank0_only=True) if cfg.checkpoint.save_model else None
-        )  # a collective: every rank joins
-        path = finish_run(runtime, cfg.output.out, name, "train", cfg.to_dict(), metrics)
-        if path is not None and state is not None:
-            torch.save(state, path.with_suffix(".pt"))
+        # A function, so that the wrapped model, which holds the process group, is gone before the group is.
+        train_and_record(cfg, runtime)
 
 
 if __name__ == "__main__":
