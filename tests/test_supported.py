@@ -30,6 +30,8 @@ def test_the_range_includes_kaggle_and_this_machine():
 def test_an_old_torch_is_refused_in_one_line(tmp_path: Path, command: list[str]):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text('__version__ = "2.4.1+cu121"\n')
+    (tmp_path / "torch-2.4.1+cu121.dist-info").mkdir()
+    (tmp_path / "torch-2.4.1+cu121.dist-info" / "METADATA").write_text("Name: torch\nVersion: 2.4.1+cu121\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{SRC}"}
     job = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=60)
     assert job.returncode != 0 and job.stdout == ""

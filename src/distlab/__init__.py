@@ -9,7 +9,9 @@ carries Python 3.12 and torch 2.10; the book pins what ``constraints.txt``
 lists). Older versions are refused on import, in one line.
 """
 
+import importlib.util
 import sys
+from importlib import metadata
 
 __version__ = "0.1.0"
 OLDEST_PYTHON = (3, 11)
@@ -31,14 +33,15 @@ def unsupported(python: tuple[int, ...], torch_version: str | None) -> str | Non
 
 
 def _refuse_unsupported() -> None:
+    # Read from the installed package's metadata: importing torch here would make every module pay for it,
+    # and the predictions (gpu_specs, streams) are made to run without torch.
     torch_version = None
     if sys.version_info[:2] >= OLDEST_PYTHON:  # an older Python is refused before torch is looked for
         try:
-            import torch
-
-            torch_version = torch.__version__
-        except ImportError:
-            pass
+            torch_version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            if importlib.util.find_spec("torch") is not None:
+                return  # a torch built from source without metadata: nothing to check against
     reason = unsupported(sys.version_info, torch_version)
     if reason:
         raise SystemExit(f"distlab: error: {reason}")
