@@ -11,6 +11,7 @@ Rank 0 writes a JSON summary, with the environment it ran in, to --out.
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -256,6 +257,9 @@ def main() -> None:
         print(f"fsdp_train.py: rank {dist.get_rank()} out of memory: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)  # torchrun then stops the other ranks
     finally:
+        # fully_shard's modules and hooks form reference cycles, which hold the group: free them now, or the group
+        # outlives destroy_process_group and goes at interpreter shutdown, where its gloo threads can abort the exit.
+        gc.collect()
         dist.destroy_process_group()
 
 

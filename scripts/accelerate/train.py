@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch
+import torch.distributed.nn  # noqa: F401  before the process group exists (distlab.runtime.GROUP_AS_DEFAULT_ARGUMENT)
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType
 from torch.utils.data import DataLoader
@@ -73,7 +74,7 @@ def make_model(cfg: TrainConfig, spec: DataSpec) -> torch.nn.Module:
 
 def main() -> None:
     cfg, save = parse_config()
-    data, training = cfg.data, cfg.training
+    training = cfg.training
     accelerator = Accelerator(
         # Without a GPU the launcher still starts every process, but only
         # cpu=True makes them join one gloo group: otherwise each trains alone.
@@ -101,7 +102,15 @@ def main() -> None:
                 file=sys.stderr,
             )
         raise SystemExit(2)
+    train(accelerator, cfg, save)
+    # The prepared model holds the process group: train() has dropped it, free_memory() drops the accelerator's
+    # own references (and collects FSDP's reference cycles), so the group goes now, not at interpreter shutdown.
+    accelerator.free_memory()
+    accelerator.end_training()  # destroys the process group
 
+
+def train(accelerator: Accelerator, cfg: TrainConfig, save: str) -> None:
+    data, training = cfg.data, cfg.training
     # load_datasets wants distlab's view of the job; Accelerate knows it.
     runtime = Runtime(
         accelerator.process_index,
@@ -164,7 +173,6 @@ def main() -> None:
     state = accelerator.get_state_dict(model)  # under FSDP a collective: every process takes part
     if save and accelerator.is_main_process:
         torch.save({key: value.detach().cpu() for key, value in state.items()}, save)
-    accelerator.end_training()
 
 
 if __name__ == "__main__":
