@@ -1,13 +1,17 @@
 """The runtime's helpers on real gloo ranks: per-rank payloads reach rank 0
-in rank order, and a result file records where the job ran, once."""
+in rank order, and a result file records where the job ran, once; the group
+distributed() made is gone when it ends, whatever its body built."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import torch
 
 from distlab.cli import finish_run
+from distlab.launch import launcher_environment
 from distlab.runtime import gather_per_rank
 from distlab.testing import run_ranks
 
@@ -28,3 +32,48 @@ def test_gather_per_rank_and_finish_run_write_once_on_rank_0(tmp_path):
     assert (env["world_size"], env["backend"], env["device"]) == (3, "gloo", "cpu")
     assert env["torch"] == torch.__version__
     assert record["metrics"]["ranks"] == results[0]["ranks"]
+
+
+# A fresh interpreter, so that torch.distributed.nn and the sharded GradScaler are first imported inside the job,
+# as a script's DDP (through torch._dynamo) and distlab's FSDP import them; a one-rank gloo group in memory.
+GROUP_LIFETIME = """
+import sys, weakref
+import torch, torch.distributed as dist, torch.nn as nn
+assert "torch.distributed.nn" not in sys.modules
+from distlab.runtime import distributed
+
+groups = []
+
+def body(fail):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    import torch.distributed.nn
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    groups.append(weakref.ref(dist.group.WORLD))
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    ddp(torch.ones(3, 4)).sum().backward()
+    sharded = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))  # FSDP's modules form reference cycles
+    sharded(torch.ones(3, 4)).sum().backward()
+    if fail:  # the traceback keeps this frame, and both models
+        raise RuntimeError("the body failed")
+
+with distributed("cpu"):
+    body(fail=False)
+try:
+    with distributed("cpu"):
+        body(fail=True)
+except RuntimeError as err:
+    assert str(err) == "the body failed"
+print(*("held" if group() is not None else "gone" for group in groups))
+"""
+
+
+def test_the_group_distributed_made_is_gone_when_it_ends():
+    """A gloo group that outlives destroy_process_group keeps its worker threads and is destroyed later, where
+    that deadlocks (by DDP's Reducer, under the GIL) or aborts the process (at interpreter shutdown: "terminate
+    called without an active exception"). Nothing the body built, nor torch modules it imported, may hold it."""
+    job = subprocess.run(
+        [sys.executable, "-c", GROUP_LIFETIME], capture_output=True, text=True, timeout=120, env=launcher_environment(1)
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.splitlines()[-1:] == ["gone gone"], job.stdout + job.stderr[-3000:]

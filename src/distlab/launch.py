@@ -148,6 +148,11 @@ def torchrun(
     return JobOutput(process.returncode, output)
 
 
+def failure_reason(output: str) -> str:
+    """Why the torchrun job that wrote ``output`` failed, in one line (a lab that runs a job itself says it)."""
+    return _failure_reason(output.splitlines(keepends=True))
+
+
 def _failure_reason(lines: list[str]) -> str:
     """Why a job failed, in one line: a rank ended by a signal (torchrun's root cause), else the line its
     ranks wrote about why (``distlab: error ...`` or ``distlab: rank ...``); without either (a crash), the
