@@ -40,7 +40,7 @@ GROUP_LIFETIME = """
 import sys, weakref
 import torch, torch.distributed as dist, torch.nn as nn
 assert "torch.distributed.nn" not in sys.modules
-from distlab.runtime import distributed
+from distlab.runtime import distributed, run_main
 
 groups = []
 
@@ -57,11 +57,14 @@ def body(fail):
     if fail:  # the traceback keeps this frame, and both models
         raise RuntimeError("the body failed")
 
+def failing(argv):
+    with distributed("cpu"):
+        body(fail=True)
+
 with distributed("cpu"):
     body(fail=False)
 try:
-    with distributed("cpu"):
-        body(fail=True)
+    run_main(failing)  # a failed rank says why first, then lets go of what still holds the group
 except RuntimeError as err:
     assert str(err) == "the body failed"
 print(*("held" if group() is not None else "gone" for group in groups))

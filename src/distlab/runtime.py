@@ -122,13 +122,16 @@ the default group for the life of the process, past ``destroy_process_group``. :
 before it creates the group, while ``group.WORLD`` is still None."""
 
 
-def _release_group() -> None:
+def _release_group(collect: bool = True) -> None:
     """Destroy the process group so that it is really gone: nothing may still hold it. A gloo group that outlives
     ``destroy_process_group`` keeps its worker threads; it is then destroyed where that is unsafe: by a C++
     owner (DDP's Reducer) with the GIL held, while a worker thread waits for the GIL to free a tensor (a
     deadlock), or at interpreter shutdown, where a worker thread that asks for the GIL is ended by
-    ``pthread_exit`` inside a destructor: ``terminate called without an active exception`` (SIGABRT)."""
-    gc.collect()  # FSDP's modules and hooks form reference cycles: the garbage among them may hold the group
+    ``pthread_exit`` inside a destructor: ``terminate called without an active exception`` (SIGABRT).
+    FSDP's modules and hooks form reference cycles, which only a collection frees: here (a tenth of a second)
+    unless the body failed, whose rank must first say why (:func:`run_main` collects once it has)."""
+    if collect:
+        gc.collect()
     dist.destroy_process_group()
 
 
@@ -174,8 +177,10 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
     runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)
+    failed = True
     try:
         yield runtime
+        failed = False
     except BaseException as err:
         if reports is not None and collective_failure(err):
             err.distlab_reports = reports
@@ -189,7 +194,7 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
             reports.finished()
     finally:
         if owns_group and dist.is_initialized():
-            _release_group()
+            _release_group(collect=not failed)
 
 
 @dataclass
@@ -405,3 +410,7 @@ def run_main(main, argv=None) -> None:
             raise
         report_collective_failure(err, kind, rank, say)
         raise SystemExit(3) from None
+    finally:
+        # Once the lines are out: what a failed body left in reference cycles (an FSDP model, which holds the
+        # group distributed() destroyed) goes now, while Python runs, not at interpreter shutdown.
+        gc.collect()
