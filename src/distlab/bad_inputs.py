@@ -12,9 +12,11 @@ costs seconds of imports.
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .launch import launcher_environment, run_job
+from .results import write_result
 
 QUICK = ("--model", "cnn", "--device", "cpu", "--max-steps", "2", "--batch-size", "16", "--synthetic-size", "256")
 QUICK += ("--num-workers", "0", "--log-every", "-1", "--eval-batch-size", "256")
@@ -198,3 +201,27 @@ def try_rows(rows: list[BadInput], folder: Path, parallel: int = 2) -> list[Outc
     saved = save_checkpoint(folder) if any(row.needs_checkpoint for row in rows) else None
     with ThreadPoolExecutor(parallel) as pool:
         return list(pool.map(lambda row: try_row(row, folder / row.name, saved), rows))
+
+
+def table_rows(outcomes: list[Outcome]) -> list[dict[str, object]]:
+    """What the troubleshooting chapter's table shows of each outcome: the command as typed (DIR for its folder)."""
+    return [
+        {"name": o.row.name, "mistake": o.row.mistake, "fix": o.row.fix, "returncode": o.returncode, "line": o.line,
+         "command": " ".join(o.row.command({"folder": "DIR", "port": "PORT"})), "left_behind": o.left_behind}
+        for o in outcomes
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Try every row and write what the user saw to a result file (the troubleshooting chapter's table)."""
+    parser = argparse.ArgumentParser(prog="python -m distlab.bad_inputs", description=main.__doc__)
+    parser.add_argument("--out", default="results", help="folder of the result file bad-inputs.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="distlab-bad-inputs-") as work:
+        outcomes = try_rows(BAD_INPUTS, Path(work))
+    path = write_result(Path(args.out) / "bad-inputs.json", "bad_inputs", {"quick": list(QUICK)}, table_rows(outcomes))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
