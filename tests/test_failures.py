@@ -13,6 +13,7 @@ import torch
 
 from distlab.bad_inputs import BAD_INPUTS, try_rows
 from distlab.launch import launcher_environment, run_job, torchrun_command
+from distlab.results import committed_results, read_result
 from distlab.runtime import collective_failure, torch_says
 
 TIMEOUT_S = 3
@@ -137,3 +138,14 @@ def test_the_table_covers_the_mistakes_the_chapter_names():
     assert len(names) == len(BAD_INPUTS), "row names are test ids: unique"
     for row in BAD_INPUTS:
         assert row.mistake and row.says and row.fix and row.command()[0] in ("torchrun", "python")
+
+
+def test_the_chapters_committed_table_is_the_list_tried_here():
+    """The troubleshooting chapter shows a committed run of every row (``python -m distlab.bad_inputs``): it must
+    hold exactly today's rows, each answered as the row says, nothing left behind."""
+    record = read_result(committed_results("troubleshooting", "bad-inputs.json"))
+    assert [row["name"] for row in record["metrics"]] == [row.name for row in BAD_INPUTS], "re-run it"
+    for shown, row in zip(record["metrics"], BAD_INPUTS, strict=True):
+        assert (shown["mistake"], shown["fix"]) == (row.mistake, row.fix)
+        assert shown["command"] == " ".join(row.command({"folder": "DIR", "port": "PORT"}))
+        assert row.says in shown["line"] and shown["returncode"] != 0 and shown["left_behind"] == []

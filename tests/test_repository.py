@@ -51,6 +51,16 @@ def test_committed_results_carry_their_environment():
             assert key in env, f"{path} lacks environment[{key!r}]"
 
 
+def test_committed_cpu_results_were_measured_with_the_pinned_torch():
+    """The book is built with constraints.txt's torch: the CPU results it plots were measured with the same one
+    (``scripts/reproduce_results.sh`` re-measures them after the pin moves)."""
+    pinned = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.MULTILINE).group(1)
+    for path in sorted((ROOT / "book" / "results").rglob("*.json")):
+        env = json.loads(path.read_text())["environment"]
+        if env.get("device") == "cpu":
+            assert env["torch"].split("+")[0] == pinned, f"{path} was measured with torch {env['torch']}, not {pinned}"
+
+
 def test_nothing_the_book_reads_is_git_ignored():
     """A clean checkout must hold every file the chapters read (the book is built from one)."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
