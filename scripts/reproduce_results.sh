@@ -64,8 +64,8 @@ for item in "${what[@]}"; do
             --out book/results/ddp
         run 2 distlab.bench.ddp_step --model resnet18 --batch-size 16 --bucket-caps 1,5,25 --profile-cap 5 --steps 25 \
             --warmup 3 --out book/results/ddp ;;
-    bad-inputs)  # every bad command line of distlab.bad_inputs: what the user sees (the troubleshooting table)
-        python -m distlab.bad_inputs --out book/results/troubleshooting ;;
+    bad-inputs)  # every bad command line of distlab.demos.bad_inputs: what the user sees (the troubleshooting table)
+        python -m distlab.demos.bad_inputs --out book/results/troubleshooting ;;
     sweep)  # DDP against ZeRO-1/2/3 and FSDP2 on GPT presets, with the cost model's calibration (about 20 minutes)
         for n in 1 2 4; do
             run "$n" distlab.bench.sweep --out book/results/sweep

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distlab.data import DataSpec
-from distlab.launch import launcher_environment, run_job
+from distlab.labs.launch import launcher_environment, run_job
 from distlab.testing import ATOL, assert_same_state, run_torchrun
 
 HERE = Path(__file__).resolve().parents[1] / "scripts" / "accelerate"

@@ -1,6 +1,6 @@
 """The book's memory calculator computes, in JavaScript, exactly what the library's model computes.
 
-The same inputs go to ``distlab.calculator.memory_per_rank`` and to ``distlabMemoryPerRank`` of
+The same inputs go to ``distlab.predict.calculator.memory_per_rank`` and to ``distlabMemoryPerRank`` of
 ``book/_static/distlab-calculator.js`` (run by ``node`` where it is on PATH, else in Debian's Chromium
 through Playwright; skipped only without either); every byte of every row must agree. The defaults of
 the page's fragment (``book/_static/calculator.html``) are checked against the arithmetic by hand.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab.calculator import (
+from distlab.predict.calculator import (
     GIB,
     OPTIMIZERS,
     PRECISIONS,
@@ -26,7 +26,7 @@ from distlab.calculator import (
     largest_fitting_parameters,
     memory_per_rank,
 )
-from distlab.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
+from distlab.predict.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
 
 STATIC = Path(__file__).resolve().parents[1] / "book" / "_static"
 SCRIPT = STATIC / "distlab-calculator.js"

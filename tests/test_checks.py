@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from distlab.checks import DataOrderCheck, fingerprint
+from distlab.data import DataOrderCheck, fingerprint
 from distlab.testing import run_ranks
 
 DATASET = TensorDataset(torch.arange(64, dtype=torch.float32).view(64, 1), torch.zeros(64))

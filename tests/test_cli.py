@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from distlab.config import TrainConfig
-from distlab.launch import run_job
+from distlab.errors import DistlabError
+from distlab.labs.launch import run_job
 from distlab.results import SCHEMA, read_result
-from distlab.runtime import DistlabError
 from distlab.testing import CNN_PARAMETERS, run_ranks, run_torchrun
 
 QUICK = [
@@ -191,7 +191,8 @@ def test_missing_dataset_without_download_is_one_line(tmp_path):
 
 DEAD_RANK_SCRIPT = """
 import os, torch, torch.distributed as dist
-from distlab.runtime import distributed, run_main
+from distlab.runtime import distributed
+from distlab.errors import run_main
 
 def main(argv):
     with distributed("cpu", timeout_s=20) as rt:
@@ -247,7 +248,9 @@ def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
 
 
 def test_data_mistakes_demo_counts_what_each_rank_saw(tmp_path):
-    done = run_torchrun(2, "distlab.data_mistakes", "--samples", "200", "--batch-size", "10", "--out", str(tmp_path))
+    done = run_torchrun(
+        2, "distlab.demos.data_mistakes", "--samples", "200", "--batch-size", "10", "--out", str(tmp_path)
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = read_result(tmp_path / "data-mistakes-2xcpu.json")["metrics"]
     assert report["no sampler"]["seen_by_every_rank"] == 200 and report["no sampler"]["problems"]
@@ -335,8 +338,8 @@ def train_main(runtime, argv: list[str]) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy):
-    from distlab.memory import expected_state_bytes, shard_unit_shapes
     from distlab.models import build_model
+    from distlab.predict.memory import expected_state_bytes, shard_unit_shapes
 
     args = ["--model", "gpt-tiny", "--batch-size", "8", "--synthetic-size", "256", "--max-steps", "3"]
     args += ["--num-workers", "0"]
@@ -350,7 +353,7 @@ def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy)
 
 
 def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
-    from distlab.launch import _failure_reason
+    from distlab.labs.launch import _failure_reason
 
     banner = "distlab: fsdp | cnn (405,898 parameters) | synthetic | 2 rank(s)\n"
     assert _failure_reason([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")

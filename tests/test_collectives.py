@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.collectives import (
+from distlab.comm.collectives import (
     ALL_REDUCES,
     Phase,
     Traffic,
@@ -18,7 +18,7 @@ from distlab.collectives import (
     ring_send_segment,
     segment_bounds,
 )
-from distlab.ring_animation import ring_schedule
+from distlab.plots.ring_animation import ring_schedule
 from distlab.testing import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]

@@ -8,7 +8,8 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from distlab.data import DeviceResidentLoader, SyntheticImages, load_datasets, shard_indices
-from distlab.runtime import DistlabError, Runtime, distributed
+from distlab.errors import DistlabError
+from distlab.runtime import Runtime, distributed
 from distlab.testing import run_ranks
 
 CPU = torch.device("cpu")

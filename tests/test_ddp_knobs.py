@@ -1,4 +1,4 @@
-"""torch DDP's options on two gloo ranks (``distlab.ddp_knobs``): the physical claim of each demonstration."""
+"""torch DDP's options on two gloo ranks (``distlab.demos.ddp_knobs``): the physical claim of each demonstration."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from distlab.testing import ATOL, run_torchrun
 def knobs(tmp_path_factory) -> dict:
     """One run of every demonstration; the timings are not under test, so few repeats."""
     out = tmp_path_factory.mktemp("ddp-knobs")
-    run = run_torchrun(2, "distlab.ddp_knobs", "--device", "cpu", "--repeats", "5", "--out", str(out), timeout=180)
+    run = run_torchrun(
+        2, "distlab.demos.ddp_knobs", "--device", "cpu", "--repeats", "5", "--out", str(out), timeout=180
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return read_result(out / "ddp-knobs-2xcpu.json")["metrics"]
 
@@ -75,7 +77,15 @@ def test_join_finishes_uneven_inputs_and_divides_by_the_initial_world_size(knobs
 def test_uneven_inputs_without_join_end_at_the_timeout(tmp_path):
     started = time.monotonic()
     run = run_torchrun(
-        2, "distlab.ddp_knobs", "--device", "cpu", "--uneven-without-join", "--timeout-s", "3", "--out", str(tmp_path)
+        2,
+        "distlab.demos.ddp_knobs",
+        "--device",
+        "cpu",
+        "--uneven-without-join",
+        "--timeout-s",
+        "3",
+        "--out",
+        str(tmp_path),
     )
     elapsed = time.monotonic() - started
     assert run.returncode != 0 and 3 < elapsed < 60

@@ -1,6 +1,6 @@
 """When things go wrong, the job says so: collectives that never match end at the timeout with a line per
-rank (``distlab.failures`` on 2 gloo ranks), and every row of the bad-input table ends in one line, a
-non-zero exit and nothing left behind (``distlab.bad_inputs``)."""
+rank (``distlab.demos.failures`` on 2 gloo ranks), and every row of the bad-input table ends in one line, a
+non-zero exit and nothing left behind (``distlab.demos.bad_inputs``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from distlab.bad_inputs import BAD_INPUTS, try_rows
-from distlab.launch import launcher_environment, run_job, torchrun_command
+from distlab.demos.bad_inputs import BAD_INPUTS, try_rows
+from distlab.errors import collective_failure, torch_says
+from distlab.labs.launch import launcher_environment, run_job, torchrun_command
 from distlab.results import committed_results, read_result
-from distlab.runtime import collective_failure, torch_says
 
 TIMEOUT_S = 3
 GLOO_TIMEOUT = (
@@ -42,7 +42,9 @@ def _case(case: str, detail: bool = False) -> tuple[subprocess.CompletedProcess,
     env = launcher_environment(1)
     if detail:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    command = torchrun_command(2, "distlab.failures", "--case", case, "--timeout-s", str(TIMEOUT_S), "--device", "cpu")
+    command = torchrun_command(
+        2, "distlab.demos.failures", "--case", case, "--timeout-s", str(TIMEOUT_S), "--device", "cpu"
+    )
     started = time.monotonic()
     done = run_job(command, timeout=120, env=env)
     return done, time.monotonic() - started
@@ -141,7 +143,7 @@ def test_the_table_covers_the_mistakes_the_chapter_names():
 
 
 def test_the_chapters_committed_table_is_the_list_tried_here():
-    """The troubleshooting chapter shows a committed run of every row (``python -m distlab.bad_inputs``): it must
+    """The troubleshooting chapter shows a committed run of every row (``python -m distlab.demos.bad_inputs``): it must
     hold exactly today's rows, each answered as the row says, nothing left behind."""
     record = read_result(committed_results("troubleshooting", "bad-inputs.json"))
     assert [row["name"] for row in record["metrics"]] == [row.name for row in BAD_INPUTS], "re-run it"

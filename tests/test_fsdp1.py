@@ -21,18 +21,15 @@ import torch.nn.functional as F
 from distlab.checkpoint import full_state_dict
 from distlab.cli import build_parser, parse
 from distlab.config import TrainConfig
-from distlab.fsdp1 import (
+from distlab.demos.fsdp_maps import (
     ACCELERATE_TO_DISTLAB,
     FSDP1_TO_FSDP2,
-    NOTES_MIN_NUM_PARAMS,
     accelerate_to_distlab_markdown,
     fsdp1_to_fsdp2_markdown,
-    policy_units,
-    size_based_units,
-    wrap_fsdp1,
 )
+from distlab.errors import DistlabError
 from distlab.models import build_model
-from distlab.runtime import DistlabError
+from distlab.parallel.fsdp1 import NOTES_MIN_NUM_PARAMS, policy_units, size_based_units, wrap_fsdp1
 from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 
 STEPS, PER_RANK, LR, MAX_NORM, SEED = 4, 8, 0.05, 0.05, 100

@@ -1,10 +1,10 @@
 """FSDP2's one silent trap, and the library's guard against it
-(:mod:`distlab.fsdp_mistakes`): gathered parameters kept across an optimizer
+(:mod:`distlab.demos.fsdp_mistakes`): gathered parameters kept across an optimizer
 step train on stale weights without an error; distlab's optimizer refuses."""
 
 from __future__ import annotations
 
-from distlab.fsdp_mistakes import run_all
+from distlab.demos.fsdp_mistakes import run_all
 from distlab.testing import run_ranks, run_torchrun
 
 
@@ -23,7 +23,7 @@ def test_gathered_parameters_left_across_a_step_train_on_stale_weights_and_the_g
 
 
 def test_the_mistakes_entry_point_reports_the_drift_and_the_guard(tmp_path):
-    run = run_torchrun(2, "distlab.fsdp_mistakes", "--out", str(tmp_path))
+    run = run_torchrun(2, "distlab.demos.fsdp_mistakes", "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "(no error)" in run.stdout and "stale weights" in run.stdout
     assert (tmp_path / "fsdp-mistakes.json").exists()

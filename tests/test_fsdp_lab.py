@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab.memory import expected_state_bytes, shard_unit_shapes
 from distlab.models import build_model, count_parameters
+from distlab.predict.memory import expected_state_bytes, shard_unit_shapes
 from distlab.results import read_result
 from distlab.testing import run_torchrun, write_tiny_mnist, written_file
 

@@ -1,4 +1,4 @@
-"""distlab.gpu_specs: every cited number has a source, sane units, and no zeros; the module needs no torch."""
+"""distlab.predict.gpu_specs: every cited number has a source, sane units, and no zeros; the module needs no torch."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from distlab import gpu_specs
-from distlab.gpu_specs import GPUS, SYSTEMS
+from distlab.predict import gpu_specs
+from distlab.predict.gpu_specs import GPUS, SYSTEMS
 
 # Plausible ranges for each unit: FLOP/s, bytes/s, bytes, seconds.
 FLOPS = (1e12, 1e16)
@@ -75,5 +75,5 @@ def test_t4_has_no_bf16_or_tf32_peak():
 
 
 def test_the_specs_do_not_need_torch():
-    code = "import sys, distlab.gpu_specs; sys.exit('torch' in sys.modules)"
+    code = "import sys, distlab.predict.gpu_specs; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

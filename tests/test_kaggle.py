@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from distlab import hardware
+from distlab.measure import hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = (ROOT / "scripts" / "lab_setup.py").read_text()
@@ -111,7 +111,12 @@ def test_the_bundle_is_what_the_kaggle_commands_push(bundle: Path):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         metadata = archive.read("distlab-0.1.0.dist-info/METADATA").decode()
-    assert {"distlab/__init__.py", "distlab/hardware.py", "distlab/train.py", "distlab/parallel/fsdp2.py"} <= names
+    assert {
+        "distlab/__init__.py",
+        "distlab/measure/hardware.py",
+        "distlab/train.py",
+        "distlab/parallel/fsdp2.py",
+    } <= names
     assert "Requires-Dist" not in metadata  # nothing for pip to pull in: Kaggle's torch stays
     folders = sorted(p.name for p in bundle.iterdir() if p.name != "distlab-wheel")
     assert len(folders) == len(kaggle.LABS)

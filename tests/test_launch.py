@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab import launch
-from distlab.runtime import DistlabError
+from distlab.errors import DistlabError
+from distlab.labs import launch
 
 HANGING_LAUNCHER = """
 import subprocess, sys, time

@@ -1,4 +1,4 @@
-"""Memory per rank, exactly (:mod:`distlab.memory`).
+"""Memory per rank, exactly (:mod:`distlab.measure.memory`, :mod:`distlab.predict.memory`).
 
 * The course's tracker agrees with torch's own ``MemTracker`` to the byte.
 * On 1, 2 and 3 real gloo ranks, every strategy holds exactly the bytes the
@@ -22,16 +22,10 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from distlab.config import TrainConfig
-from distlab.memory import (
-    MemoryTracker,
-    expected_gathered_bytes,
-    expected_peak_bytes,
-    expected_state_bytes,
-    shard_unit_shapes,
-    state_bytes,
-)
+from distlab.measure.memory import MemoryTracker, state_bytes
 from distlab.models import GPT, GPTConfig, build_model
 from distlab.parallel import STRATEGIES
+from distlab.predict.memory import expected_gathered_bytes, expected_peak_bytes, expected_state_bytes, shard_unit_shapes
 from distlab.testing import run_ranks
 from distlab.train import MetricSums, build_run, train_step
 

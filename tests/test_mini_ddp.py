@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distlab.errors import DistlabError
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP
-from distlab.runtime import DistlabError
 from distlab.testing import ToyWithUnusedLayer, run_ranks
 
 

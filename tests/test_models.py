@@ -68,7 +68,7 @@ def test_every_model_keeps_the_shard_units_contract(name):
 
 
 def test_a_sharding_strategy_refuses_a_model_without_shard_units():
-    from distlab.runtime import DistlabError
+    from distlab.errors import DistlabError
 
     with pytest.raises(DistlabError) as error:
         require_shard_units(torch.nn.Linear(3, 3), "fsdp")

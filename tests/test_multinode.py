@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from distlab.launch import launcher_environment, torchrun_command
+from distlab.labs.launch import launcher_environment, torchrun_command
 from distlab.testing import free_port
 
 SBATCH = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "train.sbatch"

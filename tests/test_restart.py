@@ -11,7 +11,7 @@ import torch
 
 from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
-from distlab.launch import launcher_environment, run_job, torchrun_command
+from distlab.labs.launch import launcher_environment, run_job, torchrun_command
 from distlab.testing import run_ranks
 from distlab.train import train
 

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from distlab.cli import finish_run
-from distlab.launch import launcher_environment
+from distlab.labs.launch import launcher_environment
 from distlab.runtime import gather_per_rank
 from distlab.testing import run_ranks
 
@@ -45,7 +45,8 @@ GROUP_LIFETIME = """
 import sys, weakref
 import torch, torch.distributed as dist, torch.nn as nn
 assert "torch.distributed.nn" not in sys.modules
-from distlab.runtime import distributed, run_main
+from distlab.runtime import distributed
+from distlab.errors import run_main
 
 groups, built = [], []
 

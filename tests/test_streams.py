@@ -1,4 +1,4 @@
-"""distlab.streams: the stream model reproduces the orderings CUDA documents,
+"""distlab.predict.streams: the stream model reproduces the orderings CUDA documents,
 asserted on its timelines. Each test names the rule it checks."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from distlab import streams
-from distlab.streams import COMPUTE, DEFAULT, HOST, Inputs, StreamModel
+from distlab.predict import stream_results, stream_scenarios, streams
+from distlab.predict.streams import COMPUTE, DEFAULT, HOST, Inputs, StreamModel
 
 MB = 1 << 20
 # Round, made-up inputs: the orderings must hold whatever the figures are.
@@ -18,7 +18,8 @@ COPY_64MB = 64 * MB / 16e9
 
 
 def test_the_model_does_not_need_torch():
-    code = "import sys, distlab.streams; sys.exit('torch' in sys.modules)"
+    modules = "distlab.predict.streams, distlab.predict.stream_scenarios, distlab.predict.stream_results"
+    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -47,7 +48,7 @@ def test_a_non_blocking_copy_from_pinned_memory_returns_at_once():
 
 
 def test_work_on_one_stream_runs_in_order_and_never_overlaps():
-    timeline = streams.same_stream_non_blocking(INPUTS, batch_bytes=64 * MB, compute_s=0.005, steps=4)
+    timeline = stream_scenarios.same_stream_non_blocking(INPUTS, batch_bytes=64 * MB, compute_s=0.005, steps=4)
     device = sorted((i for i in timeline.intervals if i.lane != HOST), key=lambda i: i.start)
     for k in range(4):
         copy = [i for i in timeline.step(k) if i.kind == "copy"]
@@ -64,10 +65,10 @@ def test_work_on_one_stream_runs_in_order_and_never_overlaps():
 
 
 def test_a_side_stream_copy_from_pinned_memory_overlaps_compute():
-    timeline = streams.side_stream_prefetch(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
+    timeline = stream_scenarios.side_stream_prefetch(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
     copies, steps = timeline.on("copy H2D"), timeline.on(COMPUTE)
     assert any(c.overlaps(s) for c in copies for s in steps)
-    serial = streams.same_stream_non_blocking(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
+    serial = stream_scenarios.same_stream_non_blocking(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
     assert timeline.steady_step_s() == pytest.approx(COPY_64MB, rel=0.01)  # max(copy, compute)
     assert serial.steady_step_s() == pytest.approx(2 * COPY_64MB, rel=0.01)  # copy + compute
     for k in range(4):  # and each step still waits for its own batch
@@ -91,7 +92,7 @@ def test_a_pageable_source_is_staged_by_the_host_thread():
 
 
 def test_a_small_pageable_copy_returns_before_the_stream_reaches_it_and_a_large_one_waits():
-    timeline = streams.pageable_non_blocking(INPUTS, small_bytes=1 * MB, large_bytes=64 * MB, compute_s=0.020)
+    timeline = stream_scenarios.pageable_non_blocking(INPUTS, small_bytes=1 * MB, large_bytes=64 * MB, compute_s=0.020)
     kernel, small, large = (timeline.calls[k] for k in ("kernel", "small", "large"))
     assert small.returned < kernel.end <= small.start  # staged and returned; its DMA comes after the kernel
     assert large.returned > kernel.end  # more chunks than staging buffers: the host waited for the stream
@@ -99,22 +100,24 @@ def test_a_small_pageable_copy_returns_before_the_stream_reaches_it_and_a_large_
 
 
 def test_a_side_stream_copy_from_pageable_memory_keeps_the_host_busy_staging():
-    pinned = streams.side_stream_prefetch(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
-    pageable = streams.side_stream_prefetch(INPUTS, pinned=False, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
+    pinned = stream_scenarios.side_stream_prefetch(INPUTS, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4)
+    pageable = stream_scenarios.side_stream_prefetch(
+        INPUTS, pinned=False, batch_bytes=64 * MB, compute_s=COPY_64MB, steps=4
+    )
     staging = sum(i.duration for i in pageable.on(HOST, "stage"))
     assert staging == pytest.approx(4 * 64 * MB / 6e9)
     assert pageable.steady_step_s() >= 64 * MB / 6e9 > pinned.steady_step_s()  # the host's staging sets the pace
 
 
 def test_an_early_read_of_a_non_blocking_d2h_copy_into_pinned_memory_is_stale():
-    timeline = streams.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.005)
+    timeline = stream_scenarios.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.005)
     early, late = timeline.reads
     assert early.stale and early.saw == "initial" and early.time < timeline.calls["copy"].end
     assert not late.stale and late.saw == "copy to host"
 
 
 def test_a_d2h_copy_into_pageable_memory_returns_only_with_the_data():
-    timeline = streams.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.005, pinned=False)
+    timeline = stream_scenarios.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.005, pinned=False)
     early, late = timeline.reads
     assert not early.stale and not late.stale
     assert timeline.calls["copy"].returned >= timeline.calls["copy"].end
@@ -145,7 +148,7 @@ def test_one_copy_engine_serialises_both_directions_and_two_do_not():
 
 def test_the_notes_loop_with_a_per_step_sync_cannot_run_ahead():
     """loss.item() every step: the host waits for each step before fetching the next batch."""
-    timeline = streams.notes_loop(INPUTS, optimized=True, batch_bytes=16 * MB, compute_s=0.004, load_s=0.001)
+    timeline = stream_scenarios.notes_loop(INPUTS, optimized=True, batch_bytes=16 * MB, compute_s=0.004, load_s=0.001)
     for k in range(1, 4):
         load = [i for i in timeline.step(k, lane=HOST, kind="work")]
         previous = [i for i in timeline.step(k - 1, lane=COMPUTE)]
@@ -154,7 +157,7 @@ def test_the_notes_loop_with_a_per_step_sync_cannot_run_ahead():
 
 def test_speedups_order_as_the_pipelines_do_and_match_the_closed_forms():
     ratios = [0.1, 1.0, 3.0]
-    curves = streams.speedup_curve(INPUTS, ratios, batch_bytes=64 * MB)
+    curves = stream_scenarios.speedup_curve(INPUTS, ratios, batch_bytes=64 * MB)
     for i in range(len(ratios)):
         assert curves["pageable"][i] == pytest.approx(1.0)
         assert curves["pinned + non_blocking"][i] >= curves["pinned"][i] - 1e-9
@@ -165,27 +168,29 @@ def test_speedups_order_as_the_pipelines_do_and_match_the_closed_forms():
     ahead = INPUTS.staging_chunks * INPUTS.chunk_bytes / 6e9
     for r in ratios:
         C = T / r
-        step = lambda variant: streams.step_time(INPUTS, variant, batch_bytes=64 * MB, compute_s=C)
+        step = lambda variant: stream_scenarios.step_time(INPUTS, variant, batch_bytes=64 * MB, compute_s=C)
         assert C + T_stage - ahead - 1e-9 <= step("pageable") <= C + T_stage + 2 * MB / 16e9
         assert step("pinned + non_blocking") == pytest.approx(C + T, rel=1e-3)  # in series on one stream
         assert step("pinned + non_blocking + side stream") == pytest.approx(max(C, T), rel=1e-3)  # overlapped
 
 
 def test_pinning_speeds_a_large_copy_up_by_the_link_over_the_staging_rate():
-    assert streams.transfer_speedup(INPUTS, 256 * MB) == pytest.approx(16 / 6, rel=0.02)
+    assert stream_scenarios.transfer_speedup(INPUTS, 256 * MB) == pytest.approx(16 / 6, rel=0.02)
     fast_host = Inputs(link_GBps=16.0, stage_GBps=40.0)
-    assert streams.transfer_speedup(fast_host, 256 * MB) == pytest.approx(1.0, abs=0.02)
+    assert stream_scenarios.transfer_speedup(fast_host, 256 * MB) == pytest.approx(1.0, abs=0.02)
 
 
 def test_where_between_finds_every_range_inside_a_band():
     xs = [0, 1, 2, 3, 4]
-    assert streams.where_between(xs, [0, 1, 2, 3, 4], 1.5, 2.5) == [(1.5, 2.5)]
-    assert streams.where_between(xs, [0, 2, 0, 2, 0], 1.0, 3.0) == [(0.5, 1.5), (2.5, 3.5)]
-    assert streams.where_between(xs, [0, 0, 0, 0, 0], 1.0, 2.0) == []
+    assert stream_scenarios.where_between(xs, [0, 1, 2, 3, 4], 1.5, 2.5) == [(1.5, 2.5)]
+    assert stream_scenarios.where_between(xs, [0, 2, 0, 2, 0], 1.0, 3.0) == [(0.5, 1.5), (2.5, 3.5)]
+    assert stream_scenarios.where_between(xs, [0, 0, 0, 0, 0], 1.0, 2.0) == []
 
 
 def test_the_model_is_deterministic():
-    run = lambda: streams.side_stream_prefetch(INPUTS, pinned=False, batch_bytes=20 * MB, compute_s=0.003).intervals
+    run = lambda: (
+        stream_scenarios.side_stream_prefetch(INPUTS, pinned=False, batch_bytes=20 * MB, compute_s=0.003).intervals
+    )
     assert run() == run()
 
 
@@ -204,13 +209,13 @@ def test_the_timelines_draw(tmp_path):
     from distlab import plots
 
     timelines = [
-        streams.notes_loop(INPUTS, optimized=False, batch_bytes=16 * MB, compute_s=0.004),
-        streams.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.004),
+        stream_scenarios.notes_loop(INPUTS, optimized=False, batch_bytes=16 * MB, compute_s=0.004),
+        stream_scenarios.d2h_read_hazard(INPUTS, nbytes=16 * MB, compute_s=0.004),
     ]
     axes = plots.plot_stream_timelines(timelines, caption="predicted by the model")
     assert len(axes) == 2
     ratios = [0.1, 1.0]
-    plots.plot_speedup_curves(ratios, streams.speedup_curve(INPUTS, ratios, batch_bytes=16 * MB))
+    plots.plot_speedup_curves(ratios, stream_scenarios.speedup_curve(INPUTS, ratios, batch_bytes=16 * MB))
     animation = plots.animate_copy_compute_ratio(INPUTS, ratios, batch_bytes=16 * MB)
     assert "<script" in animation.to_jshtml()
 
@@ -225,10 +230,10 @@ def _gpu_shaped_record(tmp_path, truth: Inputs):
 
     rows = [
         {**r, "time_q1_s": r["time_s"], "time_q3_s": r["time_s"], "repeats": 1}
-        for r in streams.predicted_bandwidth(truth, [4096, 1 * MB, 64 * MB])
+        for r in stream_scenarios.predicted_bandwidth(truth, [4096, 1 * MB, 64 * MB])
     ]
     timelines = {
-        key: streams.overlap_experiment(truth, batches=4, batch_bytes=16 * MB, compute_s=0.001, overlapped=key)
+        key: stream_scenarios.overlap_experiment(truth, batches=4, batch_bytes=16 * MB, compute_s=0.001, overlapped=key)
         for key in (False, True)
     }
     as_measured = lambda t: [
@@ -268,7 +273,7 @@ def _gpu_shaped_record(tmp_path, truth: Inputs):
 def test_predictions_for_a_gpu_result_come_from_its_own_measured_inputs(tmp_path):
     truth = Inputs(link_GBps=12.0, stage_GBps=7.0, api_s=8e-6, copy_latency_s=10e-6)
     record = _gpu_shaped_record(tmp_path, truth)
-    prediction = streams.predict_transfer_result(record)
+    prediction = stream_results.predict_transfer_result(record)
     inputs = prediction["inputs"]
     assert inputs.link_GBps == pytest.approx(12.0, rel=0.01) and inputs.stage_GBps == 7.0
     assert inputs.copy_latency_s == pytest.approx(10e-6, rel=0.05) and inputs.api_s == pytest.approx(8e-6)

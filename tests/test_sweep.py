@@ -2,7 +2,7 @@
 
 The model's parts are checked where they can be exact: the FLOPs against torch's own count, the
 collectives each strategy issues against the ones a real step on gloo ranks issued (calls and bytes,
-counted by :mod:`distlab.traffic`), a fit against points it must recover. Its predictions of time are
+counted by :mod:`distlab.comm.traffic`), a fit against points it must recover. Its predictions of time are
 judged in the chapter, against committed measurements, never in a timed test."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from distlab import costmodel
 from distlab.bench.sweep import VARIANTS
 from distlab.models import GPT_PRESETS, build_model, materialize
+from distlab.predict import costmodel
 from distlab.results import read_result
 from distlab.testing import run_torchrun
 

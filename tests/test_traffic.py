@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.memory import shard_unit_shapes
+from distlab.comm.traffic import TrafficCounter
 from distlab.models import build_model
 from distlab.parallel import BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2, Zero3
+from distlab.predict.memory import shard_unit_shapes
+from distlab.predict.traffic import expected_bytes_per_step
 from distlab.testing import run_ranks
-from distlab.traffic import TrafficCounter, expected_bytes_per_step
 
 VARIANTS = {
     "ddp": TorchDDP(),

@@ -14,12 +14,13 @@ import matplotlib
 import pytest
 import torch
 
-from distlab import streams
 from distlab.bench import host, transfer
 from distlab.bench.harness import parse_sizes
-from distlab.launch import run_job
+from distlab.errors import DistlabError
+from distlab.labs.launch import run_job
+from distlab.predict import stream_results, stream_scenarios, streams
 from distlab.results import read_result, write_result
-from distlab.runtime import DistlabError, Runtime
+from distlab.runtime import Runtime
 from distlab.testing import run_ranks
 
 matplotlib.use("Agg")
@@ -148,7 +149,7 @@ def test_host_command_line_writes_a_result_with_provenance(tmp_path):
     record = read_result(tmp_path / "h.json")
     assert record["kind"] == "host" and record["environment"]["command"].startswith("python")
     assert [r["chunk_bytes"] for r in record["metrics"]["staging_copy"]] == [256 << 10, 1 << 20]
-    inputs = streams.inputs_from_host_result(record, link_GBps=15.75, link_source="cited: PCIe 3.0 x16")
+    inputs = stream_results.inputs_from_host_result(record, link_GBps=15.75, link_source="cited: PCIe 3.0 x16")
     assert inputs.stage_GBps == record["metrics"]["staging_copy"][-1]["GBps"]
     assert "measured" in inputs.describe() and "cited" in inputs.describe()
 
@@ -199,7 +200,7 @@ def test_measured_and_predicted_bandwidth_draw_from_a_result_file(tmp_path):
     from distlab import plots
 
     inputs = streams.Inputs(link_GBps=10.0, stage_GBps=5.0)
-    predicted = streams.predicted_bandwidth(inputs, [4096, 1 << 20])
+    predicted = stream_scenarios.predicted_bandwidth(inputs, [4096, 1 << 20])
     axes = plots.plot_measured_vs_predicted_bandwidth(read_result(path), predicted, caption=inputs.describe())
     assert len(axes[0].lines) == 2 * len(transfer.MODES)
 

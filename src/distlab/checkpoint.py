@@ -45,10 +45,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from . import __version__
+from .errors import DistlabError
 from .parallel.flat_param import segment_owners_mesh
 from .parallel.mini_ddp import DataParallelWrapper
 from .parallel.mini_fsdp import ShardedParameters
-from .runtime import DistlabError, Runtime
+from .runtime import Runtime
 
 PER_PARAMETER, FLAT_OPTIMIZER, FLAT = "per-parameter", "flat optimizer state", "flat parameters and optimizer state"
 LAYOUTS = {

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .cli import from_flags, option, section
+from .errors import DistlabError
 from .models import GPT_PRESETS, META_INIT_FROM_PARAMETERS, MODEL_NAMES, model_input_kind
 from .parallel import STRATEGIES
-from .runtime import DistlabError
 
 
 @dataclass

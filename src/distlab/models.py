@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .runtime import DistlabError
+from .errors import DistlabError
 
 
 @runtime_checkable

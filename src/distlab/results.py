@@ -105,7 +105,7 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
 def nccl_transport() -> dict[str, Any]:
     """What decides how NCCL moves data between this machine's GPUs: the ``NCCL_*``
     settings in effect, peer access between every pair of GPUs, and ``/dev/shm``."""
-    from .hardware import nccl_settings, survey
+    from .measure.hardware import nccl_settings, survey
 
     facts = survey(topology=False)
     return {"settings": nccl_settings(), "peer_access": facts["peer_access"], "dev_shm": facts["dev_shm"]}

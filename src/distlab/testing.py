@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from .launch import launcher_environment, run_job, torchrun_command
+from .labs.launch import launcher_environment, run_job, torchrun_command
 from .models import MnistCNN, reset_module
 
 # float32 SGD over a few steps: only the order of additions differs between

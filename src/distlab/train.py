@@ -25,12 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoint import full_state_dict
-from .checks import DataOrderCheck
 from .cli import finish_run, parse
 from .config import TrainConfig
-from .data import DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
+from .data import DataOrderCheck, DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
+from .errors import DistlabError, run_main
 from .faults import FaultTolerance
-from .memory import MemoryTracker, state_bytes
+from .measure.memory import MemoryTracker, state_bytes
 from .models import (
     GPT_PRESETS,
     META_INIT_FROM_PARAMETERS,
@@ -41,7 +41,7 @@ from .models import (
     model_input_kind,
 )
 from .parallel import Strategy, make_strategy
-from .runtime import LOW_PRECISION, DistlabError, Runtime, distributed, gather_per_rank, run_main, synchronize
+from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, synchronize
 
 # The optimizer step whose memory is measured: the second, since the first
 # also creates the optimizer's state and DDP's buckets.

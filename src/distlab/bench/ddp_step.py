@@ -27,11 +27,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..cli import BenchConfig, finish_run, option, parse
 from ..data import IMAGE_SHAPES, SyntheticImages, SyntheticTokens
+from ..errors import run_main
 from ..models import GPT_PRESETS, build_model, count_parameters, model_input_kind
 from ..parallel.base import Strategy
 from ..parallel.mini_ddp import BucketedDDP
 from ..parallel.replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
-from ..runtime import Runtime, distributed, run_main, synchronize
+from ..runtime import Runtime, distributed, synchronize
 from .harness import round_robin, summarize_times
 
 # The images each model is benchmarked on: MNIST's for the CNN, CIFAR-10's otherwise.

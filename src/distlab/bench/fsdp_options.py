@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, replace
 
 from ..cli import BenchConfig, finish_run, option, parse
 from ..config import ParallelConfig
+from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, count_parameters
-from ..runtime import DistlabError, distributed, run_main
+from ..runtime import distributed
 from .harness import round_robin, summarize_times
 from .step import Trainee, observe_memory, token_batch
 

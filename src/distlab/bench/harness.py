@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..runtime import DistlabError, Runtime, synchronize
+from ..errors import DistlabError
+from ..runtime import Runtime, synchronize
 
 UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..cli import ResultConfig, finish_run, option, parse
-from ..runtime import run_main
+from ..errors import run_main
 from .harness import human_bytes, parse_sizes, summarize_times
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ..cli import BenchConfig, finish_run, option, parse
-from ..collectives import ring_all_gather, ring_reduce_scatter, segment_bounds
-from ..costmodel import RING_FACTOR
+from ..comm.collectives import ring_all_gather, ring_reduce_scatter, segment_bounds
+from ..errors import run_main
 from ..parallel.flat_param import all_gather_flat, reduce_scatter_flat
-from ..runtime import Runtime, distributed, run_main
+from ..predict.costmodel import RING_FACTOR
+from ..runtime import Runtime, distributed
 from .harness import human_bytes, parse_sizes, round_robin, summarize_times
 
 

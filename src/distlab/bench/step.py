@@ -7,8 +7,8 @@ Every variant is built through the strategy registry from the same seed and
 trains on the same batches; the variants take turns within each repetition
 (round-robin), and a step's time is its slowest rank's. After the timing,
 one more step of each variant is observed: the bytes each rank sends, by
-collective (:mod:`distlab.traffic`), and every byte it holds, by what it is,
-with a timeline (:mod:`distlab.memory`).
+collective (:mod:`distlab.comm.traffic`), and every byte it holds, by what it is,
+with a timeline (:mod:`distlab.measure.memory`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from ..cli import BenchConfig, finish_run, option, parse
+from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
 from ..data import SyntheticTokens
-from ..memory import MemoryTracker, state_bytes
+from ..errors import DistlabError, run_main
+from ..measure.memory import MemoryTracker, state_bytes
 from ..models import GPT_PRESETS, build_model, checkpoint_activations, count_parameters, materialize
 from ..parallel import make_strategy
-from ..runtime import DistlabError, distributed, gather_per_rank, run_main
-from ..traffic import TrafficCounter
+from ..runtime import distributed, gather_per_rank
 from .harness import round_robin, summarize_times
 
 

@@ -8,7 +8,7 @@ For each preset every strategy is built through the strategy registry (sharding 
 step (round-robin), and a step's time is its slowest rank's. Then one more step of each is
 observed: every byte each rank holds, by what it is, and the bytes it sends, by collective.
 
-The same run also measures what the cost model (:mod:`distlab.costmodel`) needs as inputs, under
+The same run also measures what the cost model (:mod:`distlab.predict.costmodel`) needs as inputs, under
 the same conditions: each preset's forward, backward and optimizer step with no communication at
 all (``local``: every rank trains its own copy), and all-reduce, all-gather and reduce-scatter at
 several sizes, torch's and the course's ring. The model never sees the strategies' own times.
@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from ..cli import BenchConfig, finish_run, option, parse
+from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
-from ..memory import expected_state_bytes, shard_unit_shapes
+from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
-from ..runtime import DistlabError, Runtime, distributed, run_main
-from ..traffic import TrafficCounter
+from ..predict.memory import expected_state_bytes, shard_unit_shapes
+from ..runtime import Runtime, distributed
 from . import shard_collectives
 from .harness import Progress, parse_sizes, round_robin, summarize_times
 from .step import Trainee, observe_memory, token_batch

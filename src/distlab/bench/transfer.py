@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from ..cli import ResultConfig, finish_run, option, parse
-from ..runtime import DistlabError, Runtime, distributed, gather_per_rank, run_main
+from ..errors import DistlabError, run_main
+from ..predict.streams import MODES
+from ..runtime import Runtime, distributed, gather_per_rank
 from . import host
 from .harness import parse_sizes, summarize_times
-
-MODES = ("pageable", "pageable+non_blocking", "pinned", "pinned+non_blocking")
 
 
 def require_cuda(what: str) -> torch.device:

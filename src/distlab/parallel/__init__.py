@@ -6,14 +6,19 @@
 * :mod:`.mini_fsdp`: ZeRO-3 from scratch (the parameters themselves sharded), the course's own FSDP;
 * :mod:`.fsdp2`: torch's FSDP2.
 
-``STRATEGIES`` maps each command-line name to its class.
+``STRATEGIES`` maps each command-line name to its class. :mod:`.flat_param` lays parameters end to end in
+equal shards for the from-scratch ZeRO; :mod:`.fsdp1` runs FSDP1 as the notes configure it, outside the registry.
+
+A new strategy goes here: a :class:`.base.Strategy` subclass in its own module, added to ``STRATEGIES``.
+
+May import: spine, comm.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..runtime import DistlabError
+from ..errors import DistlabError
 from .base import Strategy
 from .fsdp2 import FSDP2
 from .mini_fsdp import Zero3

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, ClassVar, ContextManager
 import torch
 import torch.nn as nn
 
-from ..runtime import DistlabError, Runtime
+from ..errors import DistlabError
+from ..runtime import Runtime
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig

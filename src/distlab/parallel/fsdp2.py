@@ -11,8 +11,9 @@ from typing import ClassVar, Literal
 import torch
 import torch.nn as nn
 
+from ..errors import DistlabError
 from ..models import require_shard_units
-from ..runtime import LOW_PRECISION, DistlabError
+from ..runtime import LOW_PRECISION
 from .base import Strategy
 
 try:  # public since torch 2.6

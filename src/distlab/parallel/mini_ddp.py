@@ -23,7 +23,7 @@ buckets after the first iteration from the order gradients arrived; and a
   not rely on it).
 
 The communication itself lives in :mod:`torch.distributed` (or any
-all-reduce you pass in, such as :func:`distlab.collectives.ring_all_reduce`);
+all-reduce you pass in, such as :func:`distlab.comm.collectives.ring_all_reduce`);
 these wrappers only decide *when* and *on what* to call it.
 """
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime import DistlabError
+from ..errors import DistlabError
 
 AllReduce = Callable[[torch.Tensor], object]
 

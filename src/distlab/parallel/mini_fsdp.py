@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..collectives import ring_all_gather, ring_reduce_scatter
+from ..comm.collectives import ring_all_gather, ring_reduce_scatter
+from ..errors import DistlabError
 from ..models import init_module_whole, require_shard_units, tied_parameters
-from ..runtime import DistlabError
 from .base import Strategy, _state_values, _unique
 from .flat_param import FlatParams, _single_tensor_collectives, clip_sharded_grad_norm_, reduce_scatter_flat
 from .mini_ddp import DataParallelWrapper

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime import DistlabError
+from ..errors import DistlabError
 from .base import OptimizerFactory, _state_values
 from .flat_param import (
     FlatParams,

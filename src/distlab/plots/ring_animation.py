@@ -1,9 +1,9 @@
 """A picture of the ring all-reduce, hop by hop, that plays without a kernel.
 
 The state is which ranks' contributions each rank holds for each segment;
-the frames follow exactly the schedule :mod:`distlab.collectives` runs
+the frames follow exactly the schedule :mod:`distlab.comm.collectives` runs
 (segment indices from the same function,
-:func:`~distlab.collectives.ring_send_segment`), so the picture cannot drift
+:func:`~distlab.comm.collectives.ring_send_segment`), so the picture cannot drift
 from the code. ``animation(n).to_jshtml()`` gives HTML + JavaScript that plays on
 the static site.
 """
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib import animation as mpl_animation
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from distlab.collectives import Phase, ring_send_segment
+from distlab.comm.collectives import Phase, ring_send_segment
 
 
 @dataclass

@@ -24,8 +24,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .launch import launcher_environment, run_job
-from .results import write_result
+from ..labs.launch import launcher_environment, run_job
+from ..results import write_result
 
 QUICK = ("--model", "cnn", "--device", "cpu", "--max-steps", "2", "--batch-size", "16", "--synthetic-size", "256")
 QUICK += ("--num-workers", "0", "--log-every", "-1", "--eval-batch-size", "256")
@@ -214,7 +214,7 @@ def table_rows(outcomes: list[Outcome]) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Try every row and write what the user saw to a result file (the troubleshooting chapter's table)."""
-    parser = argparse.ArgumentParser(prog="python -m distlab.bad_inputs", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m distlab.demos.bad_inputs", description=main.__doc__)
     parser.add_argument("--out", default="results", help="folder of the result file bad-inputs.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="distlab-bad-inputs-") as work:

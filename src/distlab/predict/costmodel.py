@@ -14,7 +14,7 @@
 * overlap: none where the collectives run on the same cores as the compute (gloo on a CPU); on GPUs,
   the collectives of all but the last bucket or unit may hide behind backward (an upper bound).
 
-    peak memory = parameters + gradients + optimizer state (:func:`distlab.memory.expected_state_bytes`)
+    peak memory = parameters + gradients + optimizer state (:func:`distlab.predict.memory.expected_state_bytes`)
                   + gathered whole parameters + buffers a strategy keeps + activations
 
 with activations measured once per model and batch (they do not depend on the strategy), and the
@@ -28,8 +28,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..models import GPT_PRESETS
 from .memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
-from .models import GPT_PRESETS
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 << 20  # torch DDP's and the course's default bucket cap

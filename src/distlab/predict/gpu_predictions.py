@@ -1,5 +1,5 @@
-"""The cost model (:mod:`distlab.costmodel`) run on GPUs nobody here has: every input cited
-(:mod:`distlab.gpu_specs`) or assumed and said so, every output a prediction.
+"""The cost model (:mod:`distlab.predict.costmodel`) run on GPUs nobody here has: every input cited
+(:mod:`distlab.predict.gpu_specs`) or assumed and said so, every output a prediction.
 
 Per optimizer step of torch DDP and FSDP2 (both reshard settings) on a GPT preset, mixed precision:
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from functools import cache
 
+from ..models import GPT_PRESETS, build_model
 from .costmodel import CollectiveModel, collective_calls, predict_peak_bytes, stepped_values, training_flops
 from .gpu_specs import SYSTEMS, System
 from .memory import shard_unit_shapes
-from .models import GPT_PRESETS, build_model
 
 ACTIVATIONS = (
     "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', "

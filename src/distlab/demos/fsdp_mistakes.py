@@ -1,6 +1,6 @@
 """FSDP2's silent mistake, run and caught: gathered parameters kept across an optimizer step.
 
-    torchrun --standalone --nproc_per_node=2 -m distlab.fsdp_mistakes
+    torchrun --standalone --nproc_per_node=2 -m distlab.demos.fsdp_mistakes
 
 ``set_reshard_after_backward(False)`` keeps each unit's gathered parameters
 after backward, which saves the next micro-step's all-gathers. Left on across
@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import full_state_dict
-from .cli import ResultConfig, finish_run, option, parse
-from .models import build_model, materialize
-from .parallel.fsdp2 import FSDP2, gathered_parameters
-from .runtime import DistlabError, distributed, run_main
+from ..checkpoint import full_state_dict
+from ..cli import ResultConfig, finish_run, option, parse
+from ..errors import DistlabError, run_main
+from ..models import build_model, materialize
+from ..parallel.fsdp2 import FSDP2, gathered_parameters
+from ..runtime import distributed
 
 
 def _batches(rank: int, steps: int):

@@ -1,7 +1,7 @@
 """torch DDP's options, each shown on a run, and when DDP trains what one process would.
 
-    torchrun --standalone --nproc_per_node=2 -m distlab.ddp_knobs --out results
-    torchrun --standalone --nproc_per_node=2 -m distlab.ddp_knobs --uneven-without-join --timeout-s 3
+    torchrun --standalone --nproc_per_node=2 -m distlab.demos.ddp_knobs --out results
+    torchrun --standalone --nproc_per_node=2 -m distlab.demos.ddp_knobs --uneven-without-join --timeout-s 3
 
 Each demonstration is one function of the runtime that returns what it measured: BatchNorm against one
 process on the whole batch; a layer that forward never uses; gradients as views into the buckets; buffer
@@ -25,12 +25,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .bench.harness import round_robin, summarize_times
-from .cli import BenchConfig, finish_run, option, parse
-from .parallel.replicated import TorchDDP
-from .runtime import DistlabError, Runtime, collective_site, distributed, run_main
-from .testing import ATOL, RTOL
-from .traffic import TrafficCounter
+from ..bench.harness import round_robin, summarize_times
+from ..cli import BenchConfig, finish_run, option, parse
+from ..comm.traffic import TrafficCounter
+from ..errors import DistlabError, collective_site, run_main
+from ..parallel.replicated import TorchDDP
+from ..runtime import Runtime, distributed
+from ..testing import ATOL, RTOL
 
 
 def seeded(build, *args) -> nn.Module:

@@ -1,12 +1,12 @@
 """Run the two classic DDP data mistakes and watch the check catch them.
 
-    torchrun --standalone --nproc_per_node=2 -m distlab.data_mistakes --out results
+    torchrun --standalone --nproc_per_node=2 -m distlab.demos.data_mistakes --out results
 
 Three ways to build the training loader, each iterated for a few epochs on
 every rank: a plain shuffled ``DataLoader`` (no sampler), a
 ``DistributedSampler`` without ``set_epoch``, and the correct one. The
 dataset holds each sample's own index, so the script can count exactly which
-samples each rank saw, and :class:`distlab.checks.DataOrderCheck` reports
+samples each rank saw, and :class:`distlab.data.DataOrderCheck` reports
 what it detects from the batches alone.
 """
 
@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .checks import DataOrderCheck
-from .cli import ResultConfig, finish_run, option, parse
-from .runtime import distributed, run_main
+from ..cli import ResultConfig, finish_run, option, parse
+from ..data import DataOrderCheck
+from ..errors import run_main
+from ..runtime import distributed
 
 
 def loaders(dataset, batch_size: int) -> dict[str, tuple[DataLoader, bool]]:

@@ -18,10 +18,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import parse
-from .config import TrainConfig
-from .results import read_result
-from .runtime import DistlabError, resolve_device
+from ..cli import parse
+from ..config import TrainConfig
+from ..errors import DistlabError
+from ..results import read_result
+from ..runtime import resolve_device
 
 
 @dataclass

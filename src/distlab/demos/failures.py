@@ -1,7 +1,7 @@
 """When the ranks disagree: collectives that never match, run on purpose, each ending in a line per rank.
 
-    torchrun --standalone --nproc_per_node=2 -m distlab.failures --case skip --timeout-s 3
-    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m distlab.failures --case mismatch
+    torchrun --standalone --nproc_per_node=2 -m distlab.demos.failures --case skip --timeout-s 3
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 -m distlab.demos.failures --case mismatch
 
 Every collective is a rendezvous: each rank must call the same one, in the same order, on tensors of the
 same shape. Each case breaks that on rank 1 (or, for ``eval-rank0``, on every rank but 0):
@@ -16,10 +16,10 @@ same shape. Each case breaks that on rank 1 (or, for ``eval-rank0``, on every ra
   buffers; with BatchNorm, the forward broadcasts its statistics to ranks that are not there.
 
 Without TORCH_DISTRIBUTED_DEBUG the ranks wait until ``--timeout-s`` (gloo; NCCL's watchdog does the same),
-then :func:`distlab.runtime.run_main` writes one line per rank: which rank, which collective, torch's reason.
+then :func:`distlab.errors.run_main` writes one line per rank: which rank, which collective, torch's reason.
 With TORCH_DISTRIBUTED_DEBUG=DETAIL torch compares every collective's name and shapes across the ranks
 before running it, and stops at the first that differs. The bad command lines are in
-:mod:`distlab.bad_inputs`.
+:mod:`distlab.demos.bad_inputs`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .cli import DeviceOptions, option, parse, section
-from .runtime import DistlabError, Runtime, collective_site, distributed, run_main
+from ..cli import DeviceOptions, option, parse, section
+from ..errors import DistlabError, collective_site, run_main
+from ..runtime import Runtime, distributed
 
 STEPS = 3
 
@@ -74,8 +75,8 @@ EVAL_FIX = (
 
 def eval_rank0(runtime: Runtime) -> None:
     """FSDP2 on the notes' CNN; rank 0 alone evaluates, as ``if rank == 0: evaluate(model)`` does."""
-    from .models import build_model, materialize  # imports torchvision: only the case that needs it pays
-    from .parallel.fsdp2 import FSDP2
+    from ..models import build_model, materialize  # imports torchvision: only the case that needs it pays
+    from ..parallel.fsdp2 import FSDP2
 
     model = FSDP2().wrap(materialize(build_model("cnn", device="meta"), runtime.device, seed=0), runtime)
     images = torch.zeros(8, 1, 28, 28, device=runtime.device)

@@ -1,7 +1,7 @@
 """The memory calculator: bytes per rank, strategy by strategy, for a model known only by its size.
 
 :func:`memory_per_rank` answers "does a model of P parameters train on N GPUs of M GiB each?" with
-the ZeRO memory model of :mod:`distlab.memory`: one row per strategy (DDP, ZeRO-1, ZeRO-2, FSDP
+the ZeRO memory model of :mod:`distlab.predict.memory`: one row per strategy (DDP, ZeRO-1, ZeRO-2, FSDP
 FULL_SHARD, FSDP SHARD_GRAD_OP), each with its parameters, gradients, optimizer state, gathered
 parameters, activations, total and whether it fits. :func:`largest_fitting_parameters` turns the
 question round: the most parameters each strategy fits on those GPUs. The book's calculator
@@ -10,18 +10,18 @@ question round: the most parameters each strategy fits on those GPUs. The book's
 
 The model is cut into ``shard_units`` equal units (a GPT's blocks), which FSDP gathers one at a time;
 the units are flat, so every count is exact for the padding each unit's flat shard adds, not for the
-per-parameter padding of a real model's shapes (:func:`distlab.memory.shard_unit_shapes` gives those).
+per-parameter padding of a real model's shapes (:func:`distlab.predict.memory.shard_unit_shapes` gives those).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from distlab.memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
+from distlab.predict.memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
 
 GIB = 2**30
 PRECISIONS = {"fp32": "fp32", "mixed": "mixed bf16/fp16"}
-"""The precisions of :data:`distlab.memory.BYTES_PER_VALUE`: fp32 everywhere, or the ZeRO paper's mixed
+"""The precisions of :data:`distlab.predict.memory.BYTES_PER_VALUE`: fp32 everywhere, or the ZeRO paper's mixed
 precision (16-bit parameters and gradients, fp32 master weights in the optimizer state)."""
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"}
 STRATEGIES = {
@@ -31,7 +31,7 @@ STRATEGIES = {
     "FSDP FULL_SHARD (ZeRO-3)": "fsdp",
     "FSDP SHARD_GRAD_OP": "fsdp",
 }
-"""Row label -> :data:`distlab.memory.STAGE` key. Both FSDP rows hold ZeRO-3's state at rest; they
+"""Row label -> :data:`distlab.predict.memory.STAGE` key. Both FSDP rows hold ZeRO-3's state at rest; they
 differ in the gathered parameters at the peak."""
 ROW_FIELDS = ("strategy", "parameters", "gradients", "optimizer_state", "gathered", "activations", "total", "fits")
 DEFAULT_SHARD_UNITS = 32
@@ -40,7 +40,7 @@ DEFAULT_SHARD_UNITS = 32
 
 def equal_units(parameters: int, shard_units: int) -> list[list[Shape]]:
     """``parameters`` values in ``shard_units`` flat units as equal as integers allow (the first ones
-    one value larger), and last an empty root: the ``units`` form of :mod:`distlab.memory`."""
+    one value larger), and last an empty root: the ``units`` form of :mod:`distlab.predict.memory`."""
     size, larger = divmod(parameters, shard_units)
     return [[(size + 1,)] for _ in range(larger)] + [[(size,)] for _ in range(shard_units - larger)] + [[]]
 
@@ -110,8 +110,8 @@ def memory_per_rank(
     """Bytes rank 0 holds at its peak under each strategy, and whether they fit in ``memory_gib``.
 
     One dict per strategy of :data:`STRATEGIES`, with the keys of :data:`ROW_FIELDS`: the state of
-    :func:`distlab.memory.expected_state_bytes`, the whole parameters FSDP gathers (one unit at a time
-    with FULL_SHARD, :func:`distlab.memory.expected_gathered_bytes`; all of them with SHARD_GRAD_OP,
+    :func:`distlab.predict.memory.expected_state_bytes`, the whole parameters FSDP gathers (one unit at a time
+    with FULL_SHARD, :func:`distlab.predict.memory.expected_gathered_bytes`; all of them with SHARD_GRAD_OP,
     :func:`expected_shard_grad_op_gathered_bytes`) in the parameters' dtype, ``activations_gib`` (the
     same for every strategy: they depend on batch, sequence and model), their ``total`` and
     ``fits = total <= memory_gib`` GiB."""

@@ -177,7 +177,7 @@ KAGGLE_T4X2 = System(
         "count": "Kaggle 'GPU T4 x2' accelerator; DESIGN.md's Kaggle section (2x T4, P2P reported unavailable).",
         "link_bandwidth": f"{T4_SHEET}: 'System Interface x16 PCIe Gen3', 'Interconnect Bandwidth 32 GB/sec' (both "
                           "directions). PCI-SIG PCIe 3.0: 8 GT/s per lane, 128b/130b -> 15.75 GB/s per direction "
-                          "for x16 (as distlab.streams.pcie_GBps(3)).",
+                          "for x16 (as distlab.predict.streams.pcie_GBps(3)).",
         "allreduce_busbw": f"ASSUMPTION (proxy, not T4s): {AUTODL_2080TI}; nccl-tests all_reduce_perf -g 2, float "
                            "sum: busbw 4.00 GB/s from 128 MB to 1 GB. Same path as Kaggle's (PCIe 3 x16, no P2P, "
                            "NCCL through host memory); Kaggle's 4-vCPU host and /dev/shm may differ.",

@@ -1,12 +1,11 @@
-"""Memory per rank, exactly: every byte a rank holds, by what it is, next to the ZeRO paper's arithmetic.
+"""Memory per rank, exactly: every byte a rank holds, by what it is.
 
 * :class:`MemoryTracker` follows every tensor storage from the op that first makes or reads it until it
   is freed, and splits the live bytes into parameters, gradients, optimizer state, gathered parameters
   (whole ones assembled from shards), activations and other memory: now, at the peak, along a timeline.
 * :func:`state_bytes` counts what a strategy names (:meth:`.Strategy.state_tensors`), right now.
-* :func:`expected_state_bytes`, :func:`expected_gathered_bytes` and :func:`expected_peak_bytes` are the
-  model: bytes per parameter by optimizer and precision, divided by the N ranks stage by stage, with
-  the padding each implementation really adds.
+
+The model these are compared with, the ZeRO paper's arithmetic, is :mod:`distlab.predict.memory`.
 
 A storage counts once, by its ``nbytes``, however many tensors view it. On CPU these bytes are the
 measure (the process's RSS holds the runtime and the allocator's free lists); on CUDA the tracker also
@@ -15,10 +14,9 @@ reads ``torch.cuda.max_memory_allocated``, which rounds every block up to 512 by
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -30,6 +28,7 @@ try:  # public since torch 2.5
     from torch.distributed.tensor import DTensor
 except ImportError:
     from torch.distributed._tensor import DTensor
+
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations", "other")
 NAMED = ("gathered", "gradients", "optimizer_state", "parameters")
@@ -259,129 +258,3 @@ class MemoryTracker(TorchDispatchMode):
         self._live.clear()  # drops the weak references and their callbacks
         if self.cuda_max_allocated is not None:
             self.cuda_max_allocated = torch.cuda.max_memory_allocated()
-
-
-# The analytic model. Bytes per parameter value: (parameters, gradients, optimizer state).
-# "mixed" is the ZeRO paper's mixed precision: fp16/bf16 parameters and gradients, and in the
-# optimizer state an fp32 master copy beside Adam's two moments. distlab's --precision bf16/fp16
-# is autocast over fp32 parameters: its state is "fp32".
-BYTES_PER_VALUE = {
-    ("adam", "fp32"): (4, 4, 8),  # exp_avg, exp_avg_sq
-    ("adamw", "fp32"): (4, 4, 8),
-    ("sgd", "fp32"): (4, 4, 4),  # momentum_buffer
-    ("adam", "mixed"): (2, 2, 12),  # fp32 master, exp_avg, exp_avg_sq
-    ("adamw", "mixed"): (2, 2, 12),
-    ("sgd", "mixed"): (2, 2, 8),  # fp32 master, momentum
-}
-STEP_COUNTER_BYTES = {"adam": 4, "adamw": 4, "sgd": 0}
-"""torch's Adam keeps one float32 scalar ``step`` per parameter tensor it steps (on the CPU
-unless capturable or fused, even when training on CUDA); SGD keeps none."""
-STAGE = {"single": 0, "ddp": 0, "naive_ddp": 0, "bucketed_ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-"""ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the parameters."""
-Shape = Sequence[int]
-
-
-def shard_unit_shapes(model: nn.Module) -> list[list[torch.Size]]:
-    """Trainable parameter shapes (each parameter once) of every shard unit of an
-    unwrapped model, in order, and last those left to the root (perhaps none)."""
-    seen: set[int] = set()
-    units = []
-    for unit in [*model.shard_units(), model]:
-        fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        units.append([p.shape for p in fresh])
-    return units
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rows(shape: Shape) -> tuple[int, int]:
-    """dim 0 and the values in one dim-0 row (a scalar is one row of one)."""
-    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
-
-
-def _values_per_rank(strategy: str, n: int, units: Sequence[Sequence[Shape]], rank: int) -> tuple[int, int, int, int]:
-    """Values one rank holds of (parameters, gradients, optimizer state), and its step counters."""
-    shapes = [shape for unit in units for shape in unit]
-    if strategy == "fsdp":  # FSDP2: every parameter's dim 0 padded to a multiple of N, shard = ceil(dim0/N) rows;
-        # the optimizer's state has only this rank's own rows (torch.chunk's split, no padding)
-        padded = sum(_ceil(d0, n) * row for d0, row in map(_rows, shapes))
-        own = sum(max(0, min(_ceil(d0, n), d0 - rank * _ceil(d0, n))) * row for d0, row in map(_rows, shapes))
-        return padded, padded, own, len(shapes)
-    if strategy == "zero3":  # one flat buffer per shard unit, padded to a multiple of N; one optimizer tensor a unit
-        shard = sum(_ceil(sum(math.prod(s) for s in unit), n) for unit in units)
-        return shard, shard, shard, sum(1 for unit in units if unit)
-    total, stage = sum(math.prod(s) for s in shapes), STAGE[strategy]
-    shard = _ceil(total, n)  # zero1/zero2: one flat buffer over every trainable parameter, padded to a multiple of N
-    if stage == 0:
-        return total, total, total, len(shapes)
-    # the parameters live in that padded buffer; the optimizer steps a view of this rank's slice of it
-    return shard * n, shard if stage == 2 else total, shard, 1
-
-
-def expected_state_bytes(
-    parameters: int,
-    strategy: str,
-    world_size: int,
-    optimizer: str = "adam",
-    precision: str = "fp32",
-    units: Sequence[Sequence[Shape]] | None = None,
-    rank: int = 0,
-) -> dict[str, int]:
-    """Bytes of ``parameters``, ``gradients`` (as the optimizer steps) and ``optimizer_state`` on one rank.
-
-    Replicated strategies (single, ddp, naive_ddp, bucketed_ddp) hold everything;
-    zero1 divides the optimizer state by N, zero2 also the gradients, zero3 and
-    fsdp also the parameters. A divided value is ``ceil(values / N)`` of the
-    padded buffer the implementation really cuts:
-
-    * zero1, zero2: one flat buffer over all trainable parameters;
-    * zero3: one flat buffer per shard unit;
-    * fsdp (FSDP2): each parameter on its own, dim 0 padded to a multiple of N; its
-      Adam state is unpadded, this ``rank``'s own rows (rank 0 holds the most).
-
-    Adam's ``step`` counters count one per tensor stepped: every parameter, but one flat
-    shard for zero1/zero2 and one per unit for zero3. ``units`` are the trainable
-    parameters' shapes by shard unit (:func:`shard_unit_shapes`); without them the model
-    is one flat tensor of ``parameters`` values: exact for zero1/zero2, for the others
-    without per-parameter padding and with one step counter. distlab's zero1/zero2 also
-    keep the fp32 slice they step (``ShardedOptimizer.shard``, 4 bytes a value of the
-    shard), which their ``state_tensors`` does not name: a tracker counts it as other."""
-    units = [[(parameters,)]] if units is None else units
-    if sum(math.prod(s) for unit in units for s in unit) != parameters:
-        raise ValueError(f"the shapes in units hold a different number of values than parameters={parameters}")
-    if strategy not in STAGE or (optimizer, precision) not in BYTES_PER_VALUE:
-        raise ValueError(f"no model for {strategy} with {optimizer} in {precision}: see STAGE and BYTES_PER_VALUE")
-    values = _values_per_rank(strategy, world_size, units, rank)
-    per_value = BYTES_PER_VALUE[optimizer, precision]
-    return {
-        "parameters": values[0] * per_value[0],
-        "gradients": values[1] * per_value[1],
-        "optimizer_state": values[2] * per_value[2] + values[3] * STEP_COUNTER_BYTES[optimizer],
-    }
-
-
-def expected_gathered_bytes(
-    strategy: str, world_size: int, units: Sequence[Sequence[Shape]], bytes_per_value: int = 4
-) -> int:
-    """The most whole (gathered, padded) parameters zero3 or fsdp hold at once; 0 for the others.
-
-    ``units`` as from :func:`shard_unit_shapes`, the root's last. Both keep the root gathered from
-    forward into backward (it is needed first), and with ``reshard_after_forward`` and no prefetch
-    gather one other unit at a time: FSDP2 pads each parameter's dim 0, zero3 the unit's flat buffer."""
-    n = world_size
-    if strategy == "fsdp":
-        gathered = [sum(_ceil(d0, n) * n * row for d0, row in map(_rows, unit)) for unit in units]
-    elif strategy == "zero3":
-        gathered = [_ceil(sum(math.prod(s) for s in unit), n) * n for unit in units]
-    else:
-        return 0
-    return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value
-
-
-def expected_peak_bytes(state: Mapping[str, int], gathered: int, activations: int) -> int:
-    """The peak the model predicts: the state, the gathered parameters (:func:`expected_gathered_bytes`)
-    and the activations (measured: they depend on batch, sequence and model, not on the strategy)."""
-    return state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations

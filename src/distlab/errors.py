@@ -1,0 +1,241 @@
+"""Errors a user can fix, said in one line: :class:`DistlabError`, and :func:`run_main`, which every
+entry point runs its ``main`` in.
+
+A collective whose peers never matched it (a timeout, a peer gone, a mismatch that
+TORCH_DISTRIBUTED_DEBUG=DETAIL found) becomes one line per rank: which rank, in which collective
+(:func:`collective_site`, or its traceback), torch's reason (:func:`torch_says`); rank 0 adds the fix
+(:data:`COLLECTIVE_FIXES`), once every rank has reported through torchrun's store (:class:`FailureReports`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+
+
+class DistlabError(RuntimeError):
+    """A mistake in how distlab was called; its message says what to do.
+
+    Most such mistakes are the same on every rank, so only rank 0 reports
+    them; ``every_rank=True`` marks one that only some ranks hit.
+    """
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+@dataclass
+class FailureReports:
+    """Where the ranks of a job whose collectives failed say what each saw, through torchrun's store (which
+    outlives the process group). torchrun stops every rank as soon as one exits: rank 0 leaves last, once
+    every rank has written its line or its peers' collectives must have timed out too, and names the cause."""
+
+    store: Any
+    rank: int
+    world_size: int
+    timeout_s: float
+
+    def add(self, kind: str) -> None:
+        """Count this rank's failure under its kind (a key of :data:`COLLECTIVE_FIXES`)."""
+        try:
+            self.store.add(f"distlab/failed/{kind}", 1)
+        except Exception:  # the store is gone with its host: nobody is left to tell
+            pass
+
+    def finished(self) -> None:
+        """Rank 0 ended well: a rank still reporting a failure need not wait for it."""
+        try:
+            self.store.set("distlab/finished", "1")
+        except Exception:
+            pass
+
+    def _counts(self) -> dict[str, int] | None:
+        try:
+            return {kind: self.store.add(f"distlab/failed/{kind}", 0) for kind in COLLECTIVE_FIXES}
+        except Exception:
+            return None
+
+    def _rank0_finished(self) -> bool:
+        try:
+            return self.store.check(["distlab/finished"])
+        except Exception:
+            return True
+
+    def wait(self) -> list[str]:
+        """Rank 0: the kinds the ranks reported, once all have, or after the collectives' timeout (10 s at
+        most: ranks that fail together do so within a second or two, and a rank stuck outside any collective
+        must not hold the job for another whole timeout). Other ranks: wait for torchrun to stop them when
+        rank 0 leaves, at most as long; return nothing."""
+        deadline = time.monotonic() + min(self.timeout_s, 10.0) + 2.0
+        while time.monotonic() < deadline:
+            if self.rank != 0:
+                if self._rank0_finished():
+                    return []
+            else:
+                counts = self._counts()
+                if counts is None or sum(counts.values()) >= self.world_size:
+                    break
+            time.sleep(0.1)
+        return [kind for kind, count in (self._counts() or {}).items() if count]
+
+
+@contextmanager
+def collective_site(where: str, fix: str = "", this_rank: str = "") -> Iterator[None]:
+    """Name the collectives run inside, for the line :func:`run_main` writes if their peers never match them.
+
+    ``where`` says what this rank was doing ("the barrier after its loop"), ``fix`` what the user should
+    change, ``this_rank`` what sets this rank apart ("3 batches"). The innermost site wins.
+    """
+    try:
+        yield
+    except Exception as err:
+        if collective_failure(err) and not hasattr(err, "distlab_site"):
+            err.distlab_site, err.distlab_fix, err.distlab_rank = where, fix, this_rank
+        raise
+
+
+_PEER_FAILURE = re.compile(
+    r"Timed out waiting|Connection (closed|reset) by peer|failed to pass monitoredBarrier|"
+    r"Detected mismatch between collectives|Broken pipe|Application timeout caused pair closure",
+    re.IGNORECASE,
+)
+
+
+def collective_failure(err: BaseException) -> str | None:
+    """What went wrong in a collective, or None: ``mismatch`` (TORCH_DISTRIBUTED_DEBUG=DETAIL compared the
+    ranks' calls), ``timeout`` (this rank waited its whole timeout), ``peer`` (a peer left or broke the
+    connection). torch raises gloo's failures as a plain RuntimeError, NCCL's and the store's as DistError."""
+    text = str(err)
+    if isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and _PEER_FAILURE.search(text)):
+        if "Detected mismatch between collectives" in text:
+            return "mismatch"
+        return "timeout" if re.search(r"timed out|timeout", text, re.IGNORECASE) else "peer"
+    return None
+
+
+def _fingerprint(text: str) -> tuple[str, str]:
+    """``CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[4], ...)`` -> ``ALLREDUCE [4] #2``,
+    and the sequence number alone."""
+    op, seq = re.search(r"OpType=(\w+)", text), re.search(r"SequenceNumber=(\d+)", text)
+    shape = re.search(r"TensorShape=(\[[^\]]*\])", text)
+    return " ".join(x for x in (op and op[1], shape and shape[1], seq and f"#{seq[1]}") if x), seq and seq[1]
+
+
+def torch_says(err: BaseException) -> str:
+    """torch's reason, short: its first sentence without source paths or ports; for a mismatch
+    TORCH_DISTRIBUTED_DEBUG=DETAIL found, the collective each rank was in."""
+    text = str(err).strip()
+    if "Detected mismatch between collectives" in text:
+        mine, _, theirs = text.partition(", but Rank ")
+        (me, my_seq), (peer, peer_seq) = _fingerprint(mine), _fingerprint(theirs.split("Collectives differ")[0])
+        rank, other = re.search(r"Rank (\d+) is running", mine), re.match(r"(\d+)", theirs)
+        # A peer at another position in the sequence shows up as the check's own operation (a GATHER, a REDUCE),
+        # not the call its code made: only a peer at the same position is named; its own line says the rest.
+        peer = f"rank {other and other[1]} in {peer}" if peer_seq == my_seq else "the other rank in another collective"
+        return f"TORCH_DISTRIBUTED_DEBUG=DETAIL: rank {rank and rank[1]} is in {me}, {peer}"
+    if "Application timeout caused pair closure" in text:  # gloo's words on the rank whose peer gave up first
+        return "a peer timed out and closed the connection"
+    first = text.splitlines()[0] if text else type(err).__name__
+    first = re.sub(r"^(\[[^\]]*\]:?\s*)+|\s*\[[^\]]*\]:\d+", "", first)  # no source path, no address
+    return first.split(". ")[0]
+
+
+def _site_in_traceback(err: BaseException) -> str:
+    """The collective ``err`` came out of, from its traceback: the torch.distributed function the user's
+    code called (or the first torch function, e.g. ``backward``), and the line that called it."""
+    frames = traceback.extract_tb(err.__traceback__)
+    in_torch = [f.filename.startswith(os.path.dirname(torch.__file__)) for f in frames]
+    first = in_torch.index(True) if True in in_torch else len(frames)
+    caller = frames[first - 1] if first > 0 else None
+    called = [
+        f.name
+        for f in frames[first:]
+        if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_") and f.name != "wrapper"
+    ]
+    name = called[0] if called else frames[first].name if first < len(frames) else "a collective"
+    return f"{name}()" + (f" at {os.path.basename(caller.filename)}:{caller.lineno}" if caller else "")
+
+
+# What to change, by the kind of failure; causes come before the symptoms they produce on other ranks.
+COLLECTIVE_FIXES = {
+    "mismatch": "every rank must call the same collectives, in the same order, on tensors of the same shape: "
+    "make the code path that differs run on every rank",
+    "timeout": "a rank waited in a collective its peers never called (one skipped it, called another, or is "
+    "still busy): rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL to see which, or raise --timeout-s for a slow rank",
+    "peer": "another rank failed or left first: read its error above",
+}
+
+
+def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> None:
+    """One line for this rank (which collective, torch's reason); rank 0 adds the fix."""
+    who = f"rank {rank} ({err.distlab_rank})" if getattr(err, "distlab_rank", "") else f"rank {rank}"
+    where = getattr(err, "distlab_site", None) or _site_in_traceback(err)
+    say(f"distlab: {who} stopped in {where}, which its peers never matched ({torch_says(err)})")
+    reports = getattr(err, "distlab_reports", None)
+    kinds = [kind]
+    if reports is not None:
+        reports.add(kind)
+        kinds += reports.wait()
+    if rank == "0":
+        # COLLECTIVE_FIXES lists causes before symptoms: a rank that saw its peer leave is not the cause.
+        cause = next(k for k in COLLECTIVE_FIXES if k in kinds)
+        say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[cause]}")
+
+
+def run_main(main, argv=None) -> None:
+    """Call ``main(argv)`` and turn the errors a user can fix into one line.
+
+    A :class:`DistlabError` is the user's to fix. A collective whose peers never matched it (a timeout, a
+    peer gone, a mismatch found by TORCH_DISTRIBUTED_DEBUG=DETAIL) is one line per rank: which rank, in
+    which collective, and torch's reason; rank 0 adds what to change.
+    """
+    rank = os.environ.get("RANK", "0")
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")  # one write: lines of concurrent ranks stay whole
+        sys.stderr.flush()
+
+    try:
+        main(argv)
+    except DistlabError as err:
+        if rank == "0" or err.every_rank:
+            say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
+        if rank == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
+            # would break their connections while they are still setting up, and each would say so.
+            time.sleep(1.0)
+        raise SystemExit(2) from None
+    except _OUT_OF_MEMORY as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+        say(
+            f"distlab: rank {rank} ran out of device memory ({first_line[:160]}): shard the model "
+            "(--strategy fsdp or zero3), add --activation-checkpointing, or use a smaller --batch-size"
+        )
+        raise SystemExit(4) from None
+    except KeyboardInterrupt:
+        say(f"distlab: rank {rank} interrupted")
+        raise SystemExit(130) from None
+    except Exception as err:
+        kind = collective_failure(err)
+        if kind is None:
+            raise
+        report_collective_failure(err, kind, rank, say)
+        raise SystemExit(3) from None
+    finally:
+        # Once the lines are out: what a failed body left in reference cycles (an FSDP model, which holds the
+        # group distributed() destroyed) goes now, while Python runs, not at interpreter shutdown.
+        gc.collect()

@@ -1,0 +1,70 @@
+"""Figures, labelled from result files: each takes result records (as :func:`distlab.results.read_result`
+returns them) and labels the hardware from the records' own environment. One module per chapter's subject:
+
+* :mod:`.training`: loss curves, throughput; :mod:`.ddp`: DDP's step times and profiled timeline;
+* :mod:`.collectives`: bus bandwidth, the alpha-beta model, the shard collectives;
+* :mod:`.transfer`: host-to-device copies and overlap against the model; :mod:`.streams`: the stream model's
+  timelines and speed-ups;
+* :mod:`.memory`: memory along a step, state per rank, FSDP2's options; :mod:`.sweep`: the sweep and the cost
+  model; :mod:`.ring_animation`: the ring all-reduce, hop by hop;
+* :mod:`.common`: labels, titles, animations as HTML.
+
+Every figure is re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and
+predictions; it never imports a benchmark (what it needs of one lives in :mod:`distlab.predict`).
+
+May import: config, results, comm, predict.
+"""
+
+from .collectives import LINE_STYLES, plot_busbw, plot_shard_collectives, plot_time_model
+from .common import jshtml, run_label
+from .ddp import plot_step_times, plot_timeline
+from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
+from .streams import (
+    STREAM_COLORS,
+    animate_copy_compute_ratio,
+    plot_host_costs,
+    plot_speedup_curves,
+    plot_stream_timeline,
+    plot_stream_timelines,
+    stream_legend,
+)
+from .sweep import SWEEP_COLORS, plot_gpu_predictions, plot_model_against_sweep, plot_sweep
+from .training import plot_loss_curves, plot_throughput
+from .transfer import (
+    plot_copy_bandwidth,
+    plot_measured_vs_predicted_bandwidth,
+    plot_overlap_timeline,
+    plot_transfer_against_model,
+)
+
+__all__ = [
+    "LINE_STYLES",
+    "plot_busbw",
+    "plot_time_model",
+    "plot_shard_collectives",
+    "run_label",
+    "jshtml",
+    "plot_step_times",
+    "plot_timeline",
+    "MEMORY_COLORS",
+    "plot_memory_timeline",
+    "plot_state_per_rank",
+    "plot_fsdp_options",
+    "STREAM_COLORS",
+    "plot_host_costs",
+    "plot_stream_timeline",
+    "stream_legend",
+    "plot_stream_timelines",
+    "plot_speedup_curves",
+    "animate_copy_compute_ratio",
+    "SWEEP_COLORS",
+    "plot_sweep",
+    "plot_model_against_sweep",
+    "plot_gpu_predictions",
+    "plot_loss_curves",
+    "plot_throughput",
+    "plot_copy_bandwidth",
+    "plot_overlap_timeline",
+    "plot_measured_vs_predicted_bandwidth",
+    "plot_transfer_against_model",
+]

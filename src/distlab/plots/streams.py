@@ -1,0 +1,218 @@
+"""The stream model's figures: host costs, timelines of its scenarios, predicted speed-ups, and the
+copy/compute ratio animated (the pinned-memory chapter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+from ..results import hardware_label
+
+# -- the host side, measured on a CPU, and the stream model's predictions ----------------------------------------
+
+# colour of every kind of interval the stream model draws
+STREAM_COLORS = {
+    "work": "tab:green",
+    "api": "black",
+    "stage": "tab:purple",
+    "wait": "#dddddd",
+    "copy": "tab:orange",
+    "kernel": "tab:blue",
+}
+
+
+def plot_host_costs(record: dict, axes=None):
+    """A :mod:`distlab.bench.host` result: page-locking cost per size (left) and
+    host copy rates (right), labelled with the CPU that measured them."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    metrics = record["metrics"]
+    rows = metrics["page_lock"]
+    kinds = [
+        ("first_touch", "first touch (page faults)", "tab:gray"),
+        ("first_lock", "mlock, first call (faults + lock)", "tab:red"),
+        ("steady_lock", "mlock, steady state (lock only)", "tab:blue"),
+        ("unlock", "munlock", "tab:cyan"),
+    ]
+    width = 0.8 / len(kinds)
+    for k, (key, label, color) in enumerate(kinds):
+        xs = [i + (k - 1.5) * width for i, row in enumerate(rows) if key in row]
+        present = [row for row in rows if key in row]
+        if not present:
+            continue
+        ms = [1e3 * r[key]["time_s"] for r in present]
+        err = [
+            [1e3 * (r[key]["time_s"] - r[key]["time_q1_s"]) for r in present],
+            [1e3 * (r[key]["time_q3_s"] - r[key]["time_s"]) for r in present],
+        ]
+        axes[0].bar(xs, ms, width, yerr=err, color=color, label=label, capsize=2)
+    axes[0].set_xticks(range(len(rows)), [f"{r['bytes'] >> 20} MiB" for r in rows])
+    axes[0].set(yscale="log", ylabel="ms (median, quartiles)", title="page-locking a buffer")
+    axes[0].legend(fontsize=7)
+    axes[0].grid(alpha=0.3, axis="y", which="both")
+    staging = metrics["staging_copy"]
+    chunk_mib = [r["chunk_bytes"] / (1 << 20) for r in staging]
+    axes[1].plot(chunk_mib, [r["GBps"] for r in staging], "o-", color="tab:purple", label="into one staging buffer")
+    plain = metrics["memory_copy"]
+    axes[1].axhline(plain["GBps"], color="black", ls="--", label=f"buffer to buffer, {plain['bytes'] >> 20} MiB")
+    axes[1].set(
+        xscale="log",
+        xlabel="staging buffer",
+        ylabel="GB/s copied (median)",
+        title=f"memcpy of {staging[0]['bytes'] >> 20} MiB on one thread",
+    )
+    axes[1].set_xticks(chunk_mib, [f"{m:g} MiB" if m >= 1 else f"{m * 1024:g} KiB" for m in chunk_mib])
+    axes[1].minorticks_off()
+    axes[1].set_ylim(0, max(max(r["GBps"] for r in staging), plain["GBps"]) * 1.25)
+    axes[1].legend(fontsize=8)
+    axes[1].grid(alpha=0.3, which="both")
+    where = hardware_label(record["environment"]).removesuffix(" (no backend)")
+    axes[0].figure.suptitle("measured on " + where, fontsize=9)
+    axes[0].figure.tight_layout()
+    return axes
+
+
+def plot_stream_timeline(timeline, ax=None, xlim: float | None = None, label_min: float = 0.06):
+    """One scenario of the stream model (:class:`distlab.predict.streams.Timeline`) as a Gantt chart:
+    a row per lane, a bar per interval, coloured by kind; the host's reads marked."""
+    ax = ax or plt.subplots(figsize=(10, 2.2))[1]
+    lanes = timeline.lanes
+    rows = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
+    span = xlim or timeline.end * 1e3
+    for interval in timeline.intervals:
+        y = rows[interval.lane]
+        start, width = interval.start * 1e3, interval.duration * 1e3
+        color = STREAM_COLORS.get(interval.kind, "tab:gray")
+        ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=color, edgecolors="white", linewidth=0.4)
+        if width > label_min * span and interval.kind != "api":
+            text = interval.label if interval.kind != "wait" else "wait"
+            ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True)
+    for read in timeline.reads:
+        color = "tab:red" if read.stale else "tab:green"
+        y = rows["host"]
+        ax.plot([read.time * 1e3] * 2, [y - 0.45, y + 0.45], color=color, lw=2)
+        ax.text(read.time * 1e3, y + 0.5, f"read: {'stale' if read.stale else 'up to date'}", color=color, fontsize=7)
+    ax.set_yticks([rows[lane] for lane in lanes], lanes)
+    ax.set_ylim(-0.6, len(lanes) - 0.2)
+    ax.set_xlim(0, span * 1.02)
+    ax.set_title(timeline.title, fontsize=9, loc="left")
+    ax.grid(alpha=0.3, axis="x")
+    return ax
+
+
+def stream_legend(fig) -> None:
+    """The colour key of :func:`plot_stream_timeline`, along the bottom of the figure."""
+    from matplotlib.patches import Patch
+
+    names = {
+        "work": "host work",
+        "api": "API call",
+        "stage": "host staging copy",
+        "wait": "host blocked",
+        "copy": "DMA copy",
+        "kernel": "kernel",
+    }
+    handles = [Patch(color=STREAM_COLORS[k], label=v) for k, v in names.items()]
+    fig.legend(handles=handles, fontsize=7, ncol=6, loc="lower center", frameon=False)
+
+
+def plot_stream_timelines(timelines: Sequence, caption: str = "", shared: bool = True, height: float = 1.6):
+    """Several scenarios of the stream model stacked, on one time axis, under one caption
+    (which should say *predicted by the model* and name its inputs)."""
+    import textwrap
+
+    lines = textwrap.wrap(caption, 150) if caption else []
+    total = height * len(timelines) + 0.75 + 0.15 * len(lines)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, total), sharex=shared, squeeze=False)
+    axes = axes[:, 0]
+    span = max(t.end for t in timelines) * 1e3 if shared else None
+    for ax, timeline in zip(axes, timelines):
+        plot_stream_timeline(timeline, ax=ax, xlim=span)
+    axes[-1].set_xlabel("ms (predicted)")
+    stream_legend(fig)
+    if lines:
+        fig.suptitle("\n".join(lines), fontsize=8)
+    fig.tight_layout(rect=(0, 0.3 / total, 1, 1))
+    return axes
+
+
+def plot_speedup_curves(
+    xs: Sequence[float],
+    curves: dict,
+    band=(1.10, 1.20),
+    ax=None,
+    caption: str = "",
+    xlabel: str = "copy time of one batch over compute time of one step",
+    xscale: str = "log",
+    ylabel: str = "speed-up over the baseline",
+    styles: Sequence[tuple[str, str]] = (
+        (":", "tab:gray"),
+        ("--", "tab:brown"),
+        ("-", "tab:blue"),
+        ("-", "tab:red"),
+        ("-", "tab:green"),
+    ),
+):
+    """Predicted speed-ups against one scenario parameter (by default the copy/compute ratio),
+    one line per input pipeline, with the band a claim states (the notes' 10-20 %) shaded."""
+    import textwrap
+
+    ax = ax or plt.subplots(figsize=(8, 4))[1]
+    for (name, values), (style, color) in zip(curves.items(), list(styles) * 2):
+        ax.plot(xs, values, style, color=color, label=name, lw=1.6)
+    if band:
+        low, high = (100 * (b - 1) for b in band)
+        ax.axhspan(*band, color="gold", alpha=0.35, label=f"{low:.0f}-{high:.0f} % faster")
+    ax.set(xscale=xscale, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    title = "predicted by the model" + (": " + caption if caption else "")
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+    return ax
+
+
+def animate_copy_compute_ratio(inputs, ratios: Sequence[float], batch_bytes: int, steps: int = 4, dpi: int = 60):
+    """A slider over copy time / compute time: the model's timelines of three input pipelines
+    at each ratio (a ``FuncAnimation``; ``.to_jshtml()`` plays it on a static page)."""
+    import textwrap
+
+    from matplotlib import animation as mpl_animation
+
+    from ..predict import stream_scenarios
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 5), sharex=True, dpi=dpi)
+    copy_s = batch_bytes / (inputs.link_GBps * 1e9)
+    variants = [
+        ("pageable", dict(pinned=False, non_blocking=False)),
+        ("pinned + non_blocking, one stream", dict(pinned=True, non_blocking=True)),
+        ("pinned + non_blocking, side stream", dict(pinned=True, non_blocking=True, side_stream=True)),
+    ]
+
+    def draw(i: int):
+        ratio = ratios[i]
+        timelines = [
+            stream_scenarios.training_loop(
+                inputs, batch_bytes=batch_bytes, compute_s=copy_s / ratio, steps=steps, title=name, **options
+            )
+            for name, options in variants
+        ]
+        span = max(t.end for t in timelines) * 1e3
+        base = timelines[0].end
+        for ax, timeline in zip(axes, timelines):
+            ax.clear()
+            timeline.title = (
+                f"{timeline.title}: {steps} steps in {timeline.end * 1e3:.1f} ms ({base / timeline.end:.2f}x)"
+            )
+            plot_stream_timeline(timeline, ax=ax, xlim=span, label_min=0.08)
+        axes[-1].set_xlabel("ms (predicted)")
+        inputs_line = "\n".join(textwrap.wrap("inputs: " + inputs.describe(), 140))
+        fig.suptitle(f"predicted by the model: copy / compute = {ratio:.2g}\n{inputs_line}", fontsize=8)
+        return []
+
+    draw(0)
+    fig.tight_layout()
+    anim = mpl_animation.FuncAnimation(fig, draw, frames=len(ratios), interval=700, blit=False)
+    plt.close(fig)
+    return anim

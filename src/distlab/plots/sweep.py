@@ -1,0 +1,114 @@
+"""The sweep of strategies on GPT presets, the cost model against it, and the model on cited GPUs (the
+DDP-vs-FSDP chapter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+from .common import _hardware_title
+
+SWEEP_COLORS = {"ddp": "C0", "zero1": "C1", "zero2": "C2", "zero3": "C3", "fsdp": "C4", "fsdp-no-reshard": "C5"}
+
+
+def plot_sweep(records: Sequence[dict]):
+    """The sweep, measured: step time, peak memory per rank and bytes sent per rank per step,
+    for every strategy and preset, one column per world size (one result file each)."""
+    records = sorted(records, key=lambda r: r["environment"]["world_size"])
+    fig, axes = plt.subplots(3, len(records), figsize=(4.2 * len(records), 8.5), squeeze=False)
+    measures = (
+        ("step time (ms, slowest rank)", lambda row: 1e3 * row["time_s"]),
+        ("peak memory per rank (MiB)", lambda row: max(r["peak"] for r in row["memory"]["ranks"]) / 2**20),
+        ("MiB sent per rank per step", lambda row: sum(t["bytes_sent"] for t in row["traffic"].values()) / 2**20),
+    )
+    for column, record in zip(axes.T, records):
+        presets = record["metrics"]["presets"]
+        variants = [row["variant"] for row in presets[0]["variants"]]
+        width = 0.8 / len(variants)
+        for ax, (label, value) in zip(column, measures):
+            for i, variant in enumerate(variants):
+                heights = [value(next(r for r in p["variants"] if r["variant"] == variant)) for p in presets]
+                xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(presets))]
+                ax.bar(xs, heights, width, color=SWEEP_COLORS.get(variant), label=variant)
+            ax.set_xticks(range(len(presets)), [p["model"] for p in presets], fontsize=8)
+            if any(patch.get_height() > 0 for patch in ax.patches):
+                ax.set_yscale("log")
+            else:
+                ax.text(0.5, 0.5, "nothing to send on one rank", transform=ax.transAxes, ha="center", fontsize=8)
+            ax.set_ylabel(label, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+        column[0].set_title(f"{record['environment']['world_size']} rank(s)", fontsize=9)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(_hardware_title(records), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_model_against_sweep(rows: Sequence[dict], time_band: float = 0.15, memory_band: float = 0.05):
+    """The cost model's step time and peak memory (y) against the measured ones (x), every point of the
+    sweep; the shaded bands are the model's goals (within 15 % in time, 5 % in memory)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    markers = {1: "o", 2: "s", 4: "^", 8: "D"}
+    for ax, (measured, predicted, band, scale, unit) in zip(
+        axes,
+        (("measured_s", "predicted_s", time_band, 1e3, "step time (ms)"),
+         ("measured_peak", "predicted_peak", memory_band, 2**-20, "peak memory per rank (MiB)")),
+    ):  # fmt: skip
+        xs = [r[measured] * scale for r in rows]
+        low, high = min(xs) / 1.5, max(xs) * 1.5
+        line = [low, high]
+        ax.fill_between(line, [v * (1 - band) for v in line], [v * (1 + band) for v in line], color="0.9")
+        ax.plot(line, line, color="0.5", lw=0.8)
+        for r, x in zip(rows, xs):
+            ax.scatter(
+                x,
+                r[predicted] * scale,
+                color=SWEEP_COLORS.get(r["variant"]),
+                marker=markers.get(r["world_size"], "x"),
+                s=22,
+            )
+        ax.set(xscale="log", yscale="log", xlabel=f"measured {unit}", ylabel=f"predicted {unit}", xlim=line, ylim=line)
+        ax.set_title(f"within {band:.0%}: shaded", fontsize=9)
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=v) for v, c in SWEEP_COLORS.items()]
+    handles += [plt.Line2D([], [], color="0.3", marker=m, ls="", label=f"{n} rank(s)") for n, m in markers.items()
+                if any(r["world_size"] == n for r in rows)]  # fmt: skip
+    axes[1].legend(handles=handles, fontsize=7, ncol=2, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_gpu_predictions(rows: Sequence[dict]):
+    """PREDICTED, from cited specifications: tokens per second (a bar from no overlap to the best
+    overlap) and memory per GPU against what the GPU holds, per system, preset and strategy."""
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, axes = plt.subplots(2, len(systems), figsize=(4.4 * len(systems), 6.5), squeeze=False)
+    for column, system in zip(axes.T, systems):
+        mine = [r for r in rows if r["system"] == system]
+        models = list(dict.fromkeys(r["model"] for r in mine))
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
+            chosen = [next(r for r in mine if r["model"] == m and r["variant"] == variant) for m in models]
+            xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(models))]
+            low = [r["tokens_per_s_no_overlap"] for r in chosen]
+            high = [r["tokens_per_s_best_overlap"] for r in chosen]
+            color = SWEEP_COLORS.get(variant)
+            column[0].bar(xs, [h - lo for h, lo in zip(high, low)], width, bottom=low, color=color, label=variant)
+            column[0].scatter(xs, low, color=color, marker="_", s=60)
+            column[1].bar(xs, [r["peak_bytes"] / 2**30 for r in chosen], width, color=color, hatch="//", alpha=0.8)
+        usable = mine[0]["usable_memory_bytes"] / 2**30
+        column[1].axhline(usable, color="k", lw=1, ls="--", label=f"{usable:.1f} GiB per GPU")
+        for ax in column:
+            ax.set_xticks(range(len(models)), models, fontsize=8)
+            ax.grid(alpha=0.3, axis="y")
+        column[0].set(yscale="log", ylabel="tokens/s, all GPUs (PREDICTED)")
+        column[1].set(yscale="log", ylabel="peak GiB per GPU (PREDICTED)")
+        column[0].set_title(f"{mine[0]['gpus']}x {mine[0]['gpu']}", fontsize=9)
+        column[1].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("PREDICTED by the cost model from cited specifications; not measured", fontsize=10, color="C3")
+    fig.tight_layout()
+    return fig
