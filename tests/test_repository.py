@@ -154,3 +154,9 @@ def test_the_readme_draws_every_module_of_the_tree():
     drawn = _modules_drawn_in_readme((ROOT / "README.md").read_text())
     assert len(drawn) == len(set(drawn)), "one line per module"
     assert set(drawn) == modules, f"missing: {sorted(modules - set(drawn))}, absent: {sorted(set(drawn) - modules)}"
+    # a package's line is the first line of its __init__ docstring, which says what belongs there (tests/test_layout.py)
+    readme = (ROOT / "README.md").read_text()
+    for init in sorted(package.glob("*/__init__.py")):
+        summary = ast.get_docstring(ast.parse(init.read_text())).splitlines()[0]
+        drawn_as = rf"^  {init.parent.name}/ +{re.escape(summary)}$"
+        assert re.search(drawn_as, readme, re.M), f"README: draw {init.parent.name}/ as its docstring says: {summary}"

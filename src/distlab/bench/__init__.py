@@ -1,4 +1,6 @@
-"""The benchmarks, each a torchrun entry point (``torchrun -m distlab.bench.X``) that writes one result file:
+"""Benchmarks, each a torchrun entry point that writes one result file.
+
+Each runs as ``torchrun -m distlab.bench.X``:
 
 * :mod:`.allreduce`: the hand-written all-reduces against ``dist.all_reduce``;
 * :mod:`.shard_collectives`: reduce-scatter and all-gather, torch's and the ring, next to all-reduce;

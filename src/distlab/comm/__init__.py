@@ -1,4 +1,4 @@
-"""Communication: the collectives the course writes by hand, and the count of what every collective sends.
+"""Collectives written by hand, and the bytes every collective sends, counted.
 
 * :mod:`.collectives`: ring reduce-scatter, all-gather and all-reduce by hand, and two baselines;
 * :mod:`.traffic`: :class:`~.traffic.TrafficCounter`, the bytes each rank sends, counted from the collectives it

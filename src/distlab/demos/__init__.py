@@ -1,5 +1,6 @@
-"""Chapter demos: entry points a chapter runs (``torchrun -m distlab.demos.X``) to show a mistake or an
-option, each writing one result file, and the tables a chapter prints.
+"""Chapter demos: entry points that run a mistake or an option, and the tables a chapter prints.
+
+Each demo is run as ``torchrun -m distlab.demos.X`` and writes one result file:
 
 * :mod:`.ddp_knobs`: torch DDP's options on a run; BatchNorm vs large-batch equivalence; Join;
 * :mod:`.data_mistakes`: the two DDP data mistakes, run and caught;

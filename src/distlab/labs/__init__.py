@@ -1,4 +1,4 @@
-"""What the lab notebooks and the chapters need around the library: a torchrun job from a notebook cell.
+"""What the lab notebooks need around the library: a torchrun job from a notebook cell.
 
 * :mod:`.launch`: build a torchrun command line, run it, read the result it wrote, say why it failed.
 

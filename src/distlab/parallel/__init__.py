@@ -1,5 +1,6 @@
-"""Every way to wrap a model for data-parallel training, behind one contract
-(:class:`.base.Strategy`), the naive version beside the real one:
+"""Strategies: every way to wrap a model for data-parallel training, behind one Strategy contract.
+
+Each is a :class:`.base.Strategy`, the naive version beside the real one:
 
 * :mod:`.replicated`: one process, torch DDP, and the course's DDP from scratch (:mod:`.mini_ddp`);
 * :mod:`.zero`: ZeRO-1 and ZeRO-2 from scratch (optimizer state, then gradients, sharded);

@@ -1,5 +1,7 @@
-"""Figures, labelled from result files: each takes result records (as :func:`distlab.results.read_result`
-returns them) and labels the hardware from the records' own environment. One module per chapter's subject:
+"""Figures, labelled from result files, one module per chapter's subject; every plot_* is here too.
+
+Each figure takes result records (as :func:`distlab.results.read_result` returns them) and labels the
+hardware from the records' own environment:
 
 * :mod:`.training`: loss curves, throughput; :mod:`.ddp`: DDP's step times and profiled timeline;
 * :mod:`.collectives`: bus bandwidth, the alpha-beta model, the shard collectives;
