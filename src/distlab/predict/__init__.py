@@ -2,7 +2,7 @@
 
 * :mod:`.memory`: the ZeRO paper's bytes per rank, stage by stage, with each implementation's padding;
 * :mod:`.traffic`: the bytes a rank sends per step, by strategy;
-* :mod:`.alphabeta`: the alpha-beta model of an all-reduce, fitted to a benchmark;
+* :mod:`.alphabeta`: the alpha-beta model of an all-reduce, its time for any size once fitted to a benchmark;
 * :mod:`.costmodel`: a step's time and peak memory by strategy; :mod:`.calculator`: the site's calculator rows;
 * :mod:`.gpu_specs`: cited GPU and node data (a new GPU's specs go here); :mod:`.gpu_predictions`: the cost
   model on those GPUs;
