@@ -9,6 +9,9 @@ Two ways to feed a rank:
   reshuffled each epoch and split across ranks exactly as the sampler would.
 
 Both have ``set_epoch`` and yield ``(inputs, targets)`` already on the device.
+
+:class:`DataOrderCheck`, which the loop runs, catches the two classic DDP data mistakes while the job runs
+(no ``DistributedSampler``; no ``set_epoch``).
 """
 
 from __future__ import annotations
