@@ -44,7 +44,7 @@ def unsupported(python: tuple[int, ...], torch_version: str | None) -> str | Non
 
 def _refuse_unsupported() -> None:
     # Read from the installed package's metadata: importing torch here would make every module pay for it,
-    # and the predictions (gpu_specs, streams) are made to run without torch.
+    # and the predictions (predict.gpu_specs, predict.streams) are made to run without torch.
     torch_version = None
     if sys.version_info[:2] >= OLDEST_PYTHON:  # an older Python is refused before torch is looked for
         try:
