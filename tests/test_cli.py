@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distlab.cli import parse
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
 from distlab.labs.launch import run_job
@@ -147,6 +148,14 @@ def test_an_option_that_cannot_apply_is_one_line(tmp_path, flags, says):
     run = run_job([sys.executable, "-m", "distlab.train", *QUICK, "--out", str(tmp_path), *flags], timeout=120)
     assert run.returncode == 2 and says in run.stderr, run.stderr[-2000:]
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_fp16_where_no_scaler_can_work_is_refused_before_anything_is_built(strategy):
+    # refused by validate(), from the command line alone: before any data is loaded or any model is built
+    with pytest.raises(DistlabError, match=f"--precision fp16 needs a gradient scaler, which {strategy} does not"):
+        parse(TrainConfig, ["--strategy", strategy, "--precision", "fp16"], "distlab.train")
+    parse(TrainConfig, ["--strategy", strategy, "--precision", "bf16"], "distlab.train")
 
 
 def test_reshard_to_a_group_that_does_not_divide_the_ranks_is_one_line(tmp_path):

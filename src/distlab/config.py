@@ -14,6 +14,7 @@ from .cli import from_flags, option, section
 from .errors import DistlabError
 from .models import GPT_PRESETS, META_INIT_FROM_PARAMETERS, MODEL_NAMES, model_input_kind
 from .parallel import STRATEGIES
+from .parallel.base import fp16_refusal
 
 
 @dataclass
@@ -215,6 +216,9 @@ class TrainConfig:
             raise DistlabError(
                 f"--eval-batch-size must be 0 (the training batch) or more, not {self.data.eval_batch_size}"
             )
+        strategy = STRATEGIES[self.parallel.strategy]
+        if self.precision.dtype == "fp16" and strategy.fp16_scaler:
+            raise DistlabError(fp16_refusal(strategy))
         self._validate_fsdp_options()
         self._validate_checkpoint_options()
         if model_input_kind(self.model.name) == "tokens":

@@ -34,6 +34,8 @@ class Strategy:
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
     min_world_size: ClassVar[int] = 1
+    fp16_scaler: ClassVar[str | None] = None
+    """Why fp16's loss scaler cannot work with this strategy (None: it can); ``validate()`` refuses it early."""
     max_world_size: ClassVar[int | None] = None
 
     @classmethod
@@ -73,6 +75,8 @@ class Strategy:
 
     def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
         """fp16's loss scaler; a sharded strategy needs one whose inf checks agree across ranks."""
+        if enabled and self.fp16_scaler:
+            raise DistlabError(fp16_refusal(type(self)))
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
     def check_world_size(self, world_size: int) -> None:
@@ -103,3 +107,11 @@ def _unique(tensors) -> list[torch.Tensor]:
             seen.add(id(local))
             out.append(local)
     return out
+
+
+def fp16_refusal(strategy: type[Strategy]) -> str:
+    """The one line that refuses ``--precision fp16`` for a strategy that cannot scale its loss."""
+    return (
+        f"--precision fp16 needs a gradient scaler, which {strategy.name} does not support yet "
+        f"({strategy.fp16_scaler}): use bf16 or fp32"
+    )

@@ -318,6 +318,7 @@ class Zero3(Strategy):
 
     name: ClassVar[str] = "zero3"
     shards_parameters: ClassVar[bool] = True
+    fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = False, collectives: str = "auto"):
         if collectives not in {"auto", *COLLECTIVES}:
@@ -354,11 +355,3 @@ class Zero3(Strategy):
             "optimizer_state": _state_values(optimizer.state),
             "gathered": [unit.full for unit in model.forward_order if unit.is_gathered],
         }
-
-    def grad_scaler(self, enabled, device):
-        if enabled:
-            # A scaler checks the gradients for inf on each rank alone, and each rank sees only its slice.
-            raise DistlabError(
-                "--precision fp16 needs a gradient scaler, which zero3 does not support yet: use bf16 or fp32"
-            )
-        return super().grad_scaler(enabled, device)

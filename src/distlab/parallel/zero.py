@@ -137,6 +137,7 @@ class Zero2(Replicated):
     """ZeRO-2: gradients reduce-scattered, a sharded optimizer on the slice."""
 
     name: ClassVar[str] = "zero2"
+    fp16_scaler: ClassVar[str | None] = "a scaler checks the gradients on the model, and ZeRO-2 leaves none there"
 
     def wrap(self, model, runtime):
         return ShardedGradients(model)
@@ -152,14 +153,6 @@ class Zero2(Replicated):
         if model.grad_shard is not None:  # between backward and step: the reduced slice
             found["gradients"].append(model.grad_shard)
         return found
-
-    def grad_scaler(self, enabled, device):
-        if enabled:
-            # A scaler unscales and checks the gradients it finds on the model, and ZeRO-2 leaves none there.
-            raise DistlabError(
-                "--precision fp16 needs a gradient scaler, which zero2 does not support yet: use bf16 or fp32"
-            )
-        return super().grad_scaler(enabled, device)
 
 
 def _sharded_optimizer_state(found: dict[str, list], optimizer: ShardedOptimizer) -> dict[str, list]:
