@@ -8,7 +8,8 @@ middle of a save leaves the previous checkpoint, and ``latest`` pointing at it.
 
 Each step folder is a ``torch.distributed.checkpoint`` (DCP) checkpoint plus a
 ``meta.json`` (model, strategy, world size, step, parameter count, versions).
-What goes in depends on how the strategy lays out its state:
+What goes in is the strategy's own (its ``checkpoint_layout`` and ``checkpoint_state``, in
+:mod:`distlab.parallel`):
 
 * per-parameter (single, ddp, the course's DDP, fsdp): torch's
   ``get_state_dict``/``set_state_dict`` name every tensor after its parameter;
@@ -36,33 +37,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import __version__
 from .errors import DistlabError
-from .parallel.flat_param import segment_owners_mesh
-from .parallel.mini_ddp import DataParallelWrapper
+from .parallel import STRATEGIES
+from .parallel.checkpoint_state import unwrap
 from .parallel.mini_fsdp import ShardedParameters
 from .runtime import Runtime
 
-PER_PARAMETER, FLAT_OPTIMIZER, FLAT = "per-parameter", "flat optimizer state", "flat parameters and optimizer state"
-LAYOUTS = {
-    **dict.fromkeys(("single", "ddp", "naive_ddp", "bucketed_ddp", "fsdp"), PER_PARAMETER),
-    **dict.fromkeys(("zero1", "zero2"), FLAT_OPTIMIZER),
-    "zero3": FLAT,
-}
-"""How each strategy's checkpoint is laid out; strategies with the same layout load each other's."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP-style wrapper (FSDP2 shards in place: nothing to unwrap)."""
-    return model.module if isinstance(model, (DistributedDataParallel, DataParallelWrapper)) else model
+LAYOUTS = {name: strategy.checkpoint_layout for name, strategy in STRATEGIES.items()}
+"""How each strategy's checkpoint is laid out (its own ``checkpoint_layout``); the same layout loads."""
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -74,79 +59,6 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     state = get_model_state_dict(unwrap(model), options=options)
     return {key: value.detach().cpu().clone() for key, value in state.items()}
-
-
-def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state (Adam's moments) so a load has tensors to fill:
-    one step on zero gradients with a zero learning rate, which moves no parameter."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if optimizer.state or any(p.grad is not None for p in params):
-        return
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    rates = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, rate in zip(optimizer.param_groups, rates):
-        group["lr"] = rate
-    optimizer.zero_grad(set_to_none=True)
-
-
-class StrategyState:
-    """The model and optimizer tensors one strategy checkpoints, as DCP saves and loads them.
-
-    :attr:`tensors` shares memory with the model and optimizer where it can, so a
-    load fills them in place; :meth:`apply` finishes a load where it cannot."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str, device_type: str):
-        self.model, self.optimizer, self.layout = model, optimizer, LAYOUTS[strategy]
-        if self.layout == FLAT:
-            self.tensors = _zero3_tensors(model, optimizer, device_type)
-        elif self.layout == FLAT_OPTIMIZER:
-            initialize_optimizer_state(optimizer.inner)
-            self.tensors = {
-                "model": get_model_state_dict(unwrap(model)),
-                "optimizer": optimizer.sharded_state_dict(device_type),
-            }
-        else:
-            initialize_optimizer_state(optimizer)
-            model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
-            # The hyperparameters come from this run's flags; only the per-parameter state is saved.
-            self.param_groups = optimizer_state["param_groups"]
-            self.tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
-
-    def apply(self) -> None:
-        if self.layout == PER_PARAMETER:
-            optimizer_state = {"state": self.tensors["optimizer"], "param_groups": self.param_groups}
-            model_state = self.tensors["model"]
-            set_state_dict(
-                unwrap(self.model), self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state
-            )
-
-
-def _zero3_tensors(model: ShardedParameters, optimizer: torch.optim.Optimizer, device_type: str) -> dict:
-    """ZeRO-3: each unit's parameter slice and its optimizer state as DTensor pieces of the
-    unit's flat vector; frozen parameters and buffers, whole on every rank, by name."""
-    initialize_optimizer_state(optimizer)
-    world = model.world_size
-    names = {id(module): name for name, module in model.module.named_modules()}
-    model_part, optimizer_part, sharded = {}, {}, set()
-    for unit in model.forward_order:
-        owners = [0] * world  # owners[segment] = rank: the ring keeps segment (r+1) % N on rank r
-        for rank in range(world):
-            owners[unit.collectives.owned_segment(rank, world)] = rank
-        mesh = segment_owners_mesh(device_type, owners)
-        key = f"unit.{names[id(unit.module)] or 'root'}"
-        model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
-        for name, value in optimizer.state[unit.shard].items():
-            whole_slice = value.dim() == 1 and value.numel() == unit.layout.shard_numel
-            optimizer_part[f"{key}.{name}"] = unit.layout.shard_as_dtensor(value, mesh) if whole_slice else value
-        sharded.update(id(p) for p in unit.layout.params)
-    for key, tensor in model.module.state_dict(keep_vars=True).items():
-        if id(tensor) not in sharded:
-            model_part[key] = tensor.detach()
-    return {"model": model_part, "optimizer": optimizer_part}
 
 
 def json_tensor(value: Any) -> torch.Tensor:
@@ -201,7 +113,7 @@ def describe(run, state) -> dict[str, Any]:
     return {
         "model": run.cfg.model.name,
         "strategy": run.cfg.parallel.strategy,
-        "layout": LAYOUTS[run.cfg.parallel.strategy],
+        "layout": run.strategy.checkpoint_layout,
         "world_size": run.runtime.world_size,
         "global_step": state.global_step,
         "epoch": state.epoch,
@@ -274,7 +186,7 @@ class CheckpointFolder:
             shutil.rmtree(partial, ignore_errors=True)  # a save killed before it was published left this
             partial.mkdir(parents=True)
         dist.barrier()
-        content = StrategyState(run.model, run.optimizer, run.cfg.parallel.strategy, self.runtime.device.type).tensors
+        content = run.strategy.checkpoint_state(run.model, run.optimizer, self.runtime.device.type).tensors
         content[f"rank{self.runtime.rank}"] = rank_entry(state, run.precision.scaler)
         dcp.save(content, storage_writer=_Writer(partial, before_write))
         if self.runtime.is_main:  # DCP's index is written: the checkpoint is complete
@@ -289,7 +201,7 @@ class CheckpointFolder:
         """Load the checkpoint at ``path`` into ``run`` and ``state`` (on any number of ranks); return its meta."""
         meta = read_meta(path)
         check_compatible(meta, run, path)
-        strategy_state = StrategyState(run.model, run.optimizer, run.cfg.parallel.strategy, self.runtime.device.type)
+        strategy_state = run.strategy.checkpoint_state(run.model, run.optimizer, self.runtime.device.type)
         try:
             reader = dcp.FileSystemReader(path)
             saved = reader.read_metadata().state_dict_metadata

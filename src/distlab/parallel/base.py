@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..errors import DistlabError
 from ..runtime import Runtime
+from .checkpoint_state import PER_PARAMETER, CheckpointState
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
@@ -37,6 +38,8 @@ class Strategy:
     fp16_scaler: ClassVar[str | None] = None
     """Why fp16's loss scaler cannot work with this strategy (None: it can); ``validate()`` refuses it early."""
     max_world_size: ClassVar[int | None] = None
+    checkpoint_layout: ClassVar[str] = PER_PARAMETER
+    """How this strategy's checkpoint is laid out; strategies with the same layout load each other's."""
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> Strategy:
@@ -53,6 +56,10 @@ class Strategy:
     def make_optimizer(self, model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer that steps ``model``; by default the plain one over all its parameters."""
         return factory(model.parameters())
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, device_type: str) -> CheckpointState:
+        """The tensors this rank checkpoints, laid out as :attr:`checkpoint_layout` says."""
+        return CheckpointState(model, optimizer)
 
     def state_tensors(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank keeps for training, by what they are: ``parameters``

@@ -38,7 +38,14 @@ from ..comm.collectives import ring_all_gather, ring_reduce_scatter
 from ..errors import DistlabError
 from ..models import init_module_whole, require_shard_units, tied_parameters
 from .base import Strategy, _state_values, _unique
-from .flat_param import FlatParams, _single_tensor_collectives, clip_sharded_grad_norm_, reduce_scatter_flat
+from .checkpoint_state import FLAT, CheckpointState, initialize_optimizer_state
+from .flat_param import (
+    FlatParams,
+    _single_tensor_collectives,
+    clip_sharded_grad_norm_,
+    reduce_scatter_flat,
+    segment_owners_mesh,
+)
 from .mini_ddp import DataParallelWrapper
 
 
@@ -318,6 +325,7 @@ class Zero3(Strategy):
 
     name: ClassVar[str] = "zero3"
     shards_parameters: ClassVar[bool] = True
+    checkpoint_layout: ClassVar[str] = FLAT
     fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: bool = False, collectives: str = "auto"):
@@ -346,6 +354,9 @@ class Zero3(Strategy):
         shards = [shard.grad for shard in model.shard_parameters() if shard.grad is not None]
         return clip_sharded_grad_norm_(shards, max_norm, model.group)
 
+    def checkpoint_state(self, model, optimizer, device_type):
+        return FlatState(model, optimizer, device_type)
+
     def state_tensors(self, model, optimizer):
         shards = model.shard_parameters()
         frozen = [p for p in model.module.parameters() if not p.requires_grad]  # whole on every rank
@@ -355,3 +366,34 @@ class Zero3(Strategy):
             "optimizer_state": _state_values(optimizer.state),
             "gathered": [unit.full for unit in model.forward_order if unit.is_gathered],
         }
+
+
+class FlatState(CheckpointState):
+    """ZeRO-3: each unit's parameter slice and its optimizer state as DTensor pieces of the unit's flat
+    vector (so any number of ranks reads its own slices); frozen parameters and buffers, whole on every rank,
+    by name. Loaded in place."""
+
+    def __init__(self, model: ShardedParameters, optimizer: torch.optim.Optimizer, device_type: str):
+        self.model, self.optimizer = model, optimizer
+        initialize_optimizer_state(optimizer)
+        world = model.world_size
+        names = {id(module): name for name, module in model.module.named_modules()}
+        model_part, optimizer_part, sharded = {}, {}, set()
+        for unit in model.forward_order:
+            owners = [0] * world  # owners[segment] = rank: the ring keeps segment (r+1) % N on rank r
+            for rank in range(world):
+                owners[unit.collectives.owned_segment(rank, world)] = rank
+            mesh = segment_owners_mesh(device_type, owners)
+            key = f"unit.{names[id(unit.module)] or 'root'}"
+            model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
+            for name, value in optimizer.state[unit.shard].items():
+                whole_slice = value.dim() == 1 and value.numel() == unit.layout.shard_numel
+                optimizer_part[f"{key}.{name}"] = unit.layout.shard_as_dtensor(value, mesh) if whole_slice else value
+            sharded.update(id(p) for p in unit.layout.params)
+        for key, tensor in model.module.state_dict(keep_vars=True).items():
+            if id(tensor) not in sharded:
+                model_part[key] = tensor.detach()
+        self.tensors = {"model": model_part, "optimizer": optimizer_part}
+
+    def apply(self) -> None:
+        """Loaded in place: nothing left to do."""

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import DistlabError
 from .base import OptimizerFactory, _state_values
+from .checkpoint_state import FLAT_OPTIMIZER, FlatOptimizerState
 from .flat_param import (
     FlatParams,
     all_gather_into,
@@ -121,7 +122,16 @@ class ShardedGradients(NaiveDDP):
         return shard
 
 
-class Zero1(BucketedDDPStrategy):
+class _FlatOptimizerCheckpoint:
+    """ZeRO-1 and ZeRO-2 checkpoint the model by name and the optimizer as slices of one flat vector."""
+
+    checkpoint_layout: ClassVar[str] = FLAT_OPTIMIZER
+
+    def checkpoint_state(self, model, optimizer, device_type):
+        return FlatOptimizerState(model, optimizer, device_type)
+
+
+class Zero1(_FlatOptimizerCheckpoint, BucketedDDPStrategy):
     """ZeRO-1: the course's bucketed DDP all-reduces the gradients, then a sharded optimizer steps."""
 
     name: ClassVar[str] = "zero1"
@@ -133,7 +143,7 @@ class Zero1(BucketedDDPStrategy):
         return _sharded_optimizer_state(super().state_tensors(model, optimizer), optimizer)
 
 
-class Zero2(Replicated):
+class Zero2(_FlatOptimizerCheckpoint, Replicated):
     """ZeRO-2: gradients reduce-scattered, a sharded optimizer on the slice."""
 
     name: ClassVar[str] = "zero2"
