@@ -116,8 +116,8 @@ def zero3_from_meta_and_whole(runtime):
 
     from distlab.parallel import Zero3
 
-    whole = Zero3().wrap(materialize(build_model("gpt-tiny", device="meta"), runtime.device, seed=0), runtime)
-    sharded = materialize(Zero3().wrap(build_model("gpt-tiny", device="meta"), runtime), runtime.device, seed=0)
+    whole = Zero3().build(build_model("gpt-tiny", device="meta"), runtime, seed=0)
+    sharded = Zero3().build(build_model("gpt-tiny", device="meta"), runtime, seed=0, sharded_init=True)
     held = sum(unit.shard.numel() for unit in sharded.forward_order)
     gathered_now = sum(unit.full.untyped_storage().nbytes() for unit in sharded.forward_order)
     initial_equal = all(

@@ -285,9 +285,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     part. So a model sharded over any number of ranks starts from exactly the
     weights one process would have.
     """
-    own = getattr(model, "materialize", None)
-    if callable(own):  # a wrapper that shards as it initialises (the course's ZeRO-3)
-        return own(device, seed)
     tied = tied_parameters(model)
     model.to_empty(device=device)
     for places in tied:  # to_empty gives each place its own tensor unless a sharding wrapper keeps the tie

@@ -37,7 +37,6 @@ from .models import (
     build_model,
     checkpoint_activations,
     count_parameters,
-    materialize,
     model_input_kind,
 )
 from .parallel import Strategy, make_strategy
@@ -220,10 +219,7 @@ def build_model_for(cfg: TrainConfig, runtime: Runtime, strategy: Strategy, spec
     if cfg.model.activation_checkpointing:
         checkpoint_activations(meta, cfg.model.name)
     sharded_init = {"on": True, "off": False}.get(cfg.model.meta_init, parameters >= META_INIT_FROM_PARAMETERS)
-    if sharded_init and strategy.shards_parameters:
-        return materialize(strategy.wrap(meta, runtime), runtime.device, cfg.training.seed), parameters
-    # The same weights, materialised whole on every rank (the wrapper may broadcast rank 0's)
-    return strategy.wrap(materialize(meta, runtime.device, cfg.training.seed), runtime), parameters
+    return strategy.build(meta, runtime, cfg.training.seed, sharded_init), parameters
 
 
 def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:

@@ -24,7 +24,7 @@ from ..config import ParallelConfig
 from ..data import SyntheticTokens
 from ..errors import DistlabError, run_main
 from ..measure.memory import MemoryTracker, state_bytes
-from ..models import GPT_PRESETS, build_model, checkpoint_activations, count_parameters, materialize
+from ..models import GPT_PRESETS, build_model, checkpoint_activations, count_parameters
 from ..parallel import make_strategy
 from ..runtime import distributed, gather_per_rank
 from .harness import round_robin, summarize_times
@@ -59,10 +59,8 @@ class Trainee:
         model = build_model(model_name, device="meta")
         if activation_checkpointing:
             checkpoint_activations(model, model_name)
-        if self.strategy.shards_parameters:  # sharded before it has weights: no rank ever holds it whole
-            self.model = materialize(self.strategy.wrap(model, runtime), runtime.device, seed=0)
-        else:
-            self.model = self.strategy.wrap(materialize(model, runtime.device, seed=0), runtime)
+        # a sharding strategy shards before the model has weights: no rank ever holds it whole
+        self.model = self.strategy.build(model, runtime, seed=0, sharded_init=True)
         self.optimizer = self.strategy.make_optimizer(self.model, lambda params: torch.optim.Adam(params, lr=1e-4))
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:

@@ -75,10 +75,10 @@ EVAL_FIX = (
 
 def eval_rank0(runtime: Runtime) -> None:
     """FSDP2 on the notes' CNN; rank 0 alone evaluates, as ``if rank == 0: evaluate(model)`` does."""
-    from ..models import build_model, materialize  # imports torchvision: only the case that needs it pays
+    from ..models import build_model  # imports torchvision: only the case that needs it pays
     from ..parallel.fsdp2 import FSDP2
 
-    model = FSDP2().wrap(materialize(build_model("cnn", device="meta"), runtime.device, seed=0), runtime)
+    model = FSDP2().build(build_model("cnn", device="meta"), runtime, seed=0)
     images = torch.zeros(8, 1, 28, 28, device=runtime.device)
     model.eval()
     if runtime.is_main:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..checkpoint import full_state_dict
 from ..cli import ResultConfig, finish_run, option, parse
 from ..errors import DistlabError, run_main
-from ..models import build_model, materialize
+from ..models import build_model
 from ..parallel.fsdp2 import FSDP2, gathered_parameters
 from ..runtime import distributed
 
@@ -35,7 +35,7 @@ def train_fsdp2(runtime, keep_gathered: bool, guarded: bool, steps: int = 3) -> 
     """``steps`` SGD steps of FSDP2 on the CNN. ``keep_gathered`` leaves
     ``set_reshard_after_backward(False)`` on; ``guarded`` uses the strategy's optimizer."""
     strategy = FSDP2()
-    model = strategy.wrap(materialize(build_model("cnn", device="meta"), runtime.device, seed=0), runtime)
+    model = strategy.build(build_model("cnn", device="meta"), runtime, seed=0)
     factory = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     optimizer = strategy.make_optimizer(model, factory) if guarded else factory(model.parameters())
     if keep_gathered:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import DistlabError
+from ..models import materialize
 from ..runtime import Runtime
 from .checkpoint_state import PER_PARAMETER, CheckpointState
 
@@ -48,6 +49,16 @@ class Strategy:
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
         raise NotImplementedError
+
+    def build(self, meta: nn.Module, runtime: Runtime, seed: int, sharded_init: bool = False) -> nn.Module:
+        """The model the loop trains, from one built on ``meta``: every rank starts from the weights one
+        process would have (drawn from ``seed``, the global RNG untouched). With ``sharded_init`` a strategy
+        that shards its parameters wraps first and materialises only its shards, so no rank ever holds the
+        whole model; otherwise the model is materialised whole, then wrapped (the wrapper may broadcast
+        rank 0's weights)."""
+        if sharded_init and self.shards_parameters:
+            return materialize(self.wrap(meta, runtime), runtime.device, seed)
+        return self.wrap(materialize(meta, runtime.device, seed), runtime)
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Gradients of backwards inside this context stay local to the rank."""

@@ -354,6 +354,11 @@ class Zero3(Strategy):
         shards = [shard.grad for shard in model.shard_parameters() if shard.grad is not None]
         return clip_sharded_grad_norm_(shards, max_norm, model.group)
 
+    def build(self, meta, runtime, seed, sharded_init=False):
+        if sharded_init:  # each unit is sharded as it is initialised: only the shards ever exist
+            return self.wrap(meta, runtime).materialize(runtime.device, seed)
+        return super().build(meta, runtime, seed)
+
     def checkpoint_state(self, model, optimizer, device_type):
         return FlatState(model, optimizer, device_type)
 
