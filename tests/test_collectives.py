@@ -22,6 +22,33 @@ from distlab.plots.ring_animation import ring_schedule
 from distlab.testing import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64]
+SCATTER_LENGTHS = (12, 1001)
+TRAFFIC_NUMEL = 12 * 1024  # divisible by 2, 3 and 4
+
+
+def every_check(runtime) -> dict:
+    """Every check of this file on one group of ranks (each returns what it found; the tests judge)."""
+    n = runtime.world_size
+    # 1: shorter than the world; n-1, n+1: uneven segments; 1000: many 64-byte chunks per hop
+    found = {"all_reduce": compare_all_reduces(runtime, sorted({1, n - 1, n + 1, 1000}))}
+    if n <= 4:
+        found["scatter_gather"] = {length: compare_scatter_gather(runtime, length) for length in SCATTER_LENGTHS}
+        found["traffic"] = count_traffic(runtime, TRAFFIC_NUMEL)
+        found["segments"] = contributions_per_segment(runtime)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """``ranks(n)``: what every rank of one n-rank group found, the group started once per world size."""
+    found = {}
+
+    def on(world_size: int) -> list[dict]:
+        if world_size not in found:
+            found[world_size] = run_ranks(every_check, world_size, tmp_path_factory.mktemp(f"ring-{world_size}"))
+        return found[world_size]
+
+    return on
 
 
 def _rank_data(shape, dtype, rank: int, seed: int) -> torch.Tensor:
@@ -68,11 +95,9 @@ def compare_all_reduces(runtime, lengths):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
-def test_hand_written_all_reduces_equal_dist_all_reduce(tmp_path, world_size):
-    # 1: shorter than the world; n-1, n+1: uneven segments; 1000: many 64-byte chunks per hop
-    lengths = sorted({1, world_size - 1, world_size + 1, 1000})
-    for failures in run_ranks(compare_all_reduces, world_size, tmp_path, lengths):
-        assert failures == []
+def test_hand_written_all_reduces_equal_dist_all_reduce(ranks, world_size):
+    for found in ranks(world_size):
+        assert found["all_reduce"] == []
 
 
 def compare_scatter_gather(runtime, length):
@@ -110,9 +135,10 @@ def compare_scatter_gather(runtime, length):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("length", [12, 1001])
-def test_reduce_scatter_and_all_gather_equal_torch(tmp_path, world_size, length):
-    for scatter_ok, gather_ok in run_ranks(compare_scatter_gather, world_size, tmp_path, length):
+@pytest.mark.parametrize("length", SCATTER_LENGTHS)
+def test_reduce_scatter_and_all_gather_equal_torch(ranks, world_size, length):
+    for found in ranks(world_size):
+        scatter_ok, gather_ok = found["scatter_gather"][length]
         assert scatter_ok and gather_ok
 
 
@@ -126,12 +152,11 @@ def count_traffic(runtime, numel):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_bytes_sent_per_rank_match_the_derivation(tmp_path, world_size):
-    numel = 12 * 1024  # divisible by 2, 3 and 4
-    size = numel * 4
+def test_bytes_sent_per_rank_match_the_derivation(ranks, world_size):
+    size = TRAFFIC_NUMEL * 4
     n = world_size
-    per_rank = run_ranks(count_traffic, world_size, tmp_path, numel)
-    for rank, sent in enumerate(per_rank):
+    for rank, found in enumerate(ranks(world_size)):
+        sent = found["traffic"]
         assert sent["ring"] == 2 * (n - 1) * size // n
         assert sent["naive_ring"] == (n - 1) * size
         # rank 0 also receives (n-1) S before it can send: 2(n-1) S through one rank
@@ -169,13 +194,14 @@ def test_ring_send_segment_is_the_documented_schedule():
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_animation_shows_what_the_ring_does(tmp_path, world_size):
+def test_animation_shows_what_the_ring_does(ranks, world_size):
     """The animation's cells after reduce-scatter, and at the end, hold exactly
     the contributions the real pipeline sums into each segment on each rank."""
     n = world_size
     frames = ring_schedule(n)
     after_scatter_frame = [f for f in frames if f.phase is Phase.REDUCE_SCATTER][-1]
-    for r, (after_scatter, after_gather, all_reduced) in enumerate(run_ranks(contributions_per_segment, n, tmp_path)):
+    for r, found in enumerate(ranks(n)):
+        after_scatter, after_gather, all_reduced = found["segments"]
         for s in range(n):
             segment = slice(s * SEGMENT_ELEMS, (s + 1) * SEGMENT_ELEMS)
             shown = after_scatter_frame.held[r][s]

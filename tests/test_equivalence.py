@@ -41,61 +41,21 @@ def train_and_report(runtime, cfg: TrainConfig):
     return {"state": full_state_dict(result.model), "history": result.history}
 
 
-def _assert_same_weights(a: dict, b: dict) -> None:
-    assert_same_state(a, b)
-
-
-def _single(tmp_path, batch_size: int, **overrides):
-    return run_ranks(train_and_report, 1, tmp_path, _config(strategy="single", batch_size=batch_size, **overrides))[0]
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ddp_equals_single_process_on_the_concatenated_batch(tmp_path, world_size):
-    per_rank = 8
-    reference = _single(tmp_path, per_rank * world_size)
-    ranks = run_ranks(train_and_report, world_size, tmp_path, _config(strategy="ddp", batch_size=per_rank))
-    for rank in ranks:
-        _assert_same_weights(rank["state"], reference["state"])
-    # and it really trained: the weights moved away from the initial ones
-    initial = _single(tmp_path, per_rank * world_size, max_steps=1, lr=0.0)
-    assert any(not torch.allclose(initial["state"][k], reference["state"][k]) for k in reference["state"])
-
-
-@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["full_shard", "shard_grad_op"])
-@pytest.mark.parametrize("accum_steps", [1, 2])
-def test_fsdp_equals_ddp(tmp_path, reshard_after_forward, accum_steps):
-    ddp = run_ranks(train_and_report, 2, tmp_path, _config(strategy="ddp", accum_steps=accum_steps))
-    fsdp = run_ranks(
-        train_and_report,
-        2,
-        tmp_path,
-        _config(strategy="fsdp", accum_steps=accum_steps, fsdp_reshard_after_forward=reshard_after_forward),
-    )
-    for rank in range(2):
-        _assert_same_weights(fsdp[rank]["state"], ddp[rank]["state"])
-    assert fsdp[0]["history"][0]["test_accuracy"] == pytest.approx(ddp[0]["history"][0]["test_accuracy"], abs=1e-6)
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "zero2"])
-def test_accumulation_with_no_sync_equals_the_large_batch(tmp_path, strategy):
-    # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step,
-    # through the one training loop, for torch DDP and the course's own.
-    reference = _single(tmp_path, 32)
-    accumulated = run_ranks(
-        train_and_report, 2, tmp_path, _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5)
-    )
-    # Micro-batches of one rank are consecutive in its shard, so the union
-    # over ranks and micro-steps is the same 32 samples as the big batch.
-    _assert_same_weights(accumulated[0]["state"], reference["state"])
-
-
-def test_fsdp_shards_are_exactly_one_over_n(tmp_path):
-    # Every CNN parameter has an even first dimension, so dim-0 sharding
-    # over 2 ranks needs no padding: each rank must hold exactly half.
-    counts = run_ranks(local_parameter_count, 2, tmp_path)
-    total = counts[0]["total"]
-    assert total == CNN_PARAMETERS
-    assert [c["local"] for c in counts] == [total // 2, total // 2]
+def train_groups(runtime, groups: dict[str, dict[str, TrainConfig]], count_fsdp_shards: bool = False) -> dict:
+    """Every configuration of every group, trained one after another in this rank's process, float32 groups
+    first (``float64`` makes every tensor the run makes float64: data, weights, flat buffers, collectives).
+    A configuration that fails is reported by name, so it cannot hide the others."""
+    out = {}
+    for dtype, configs in sorted(groups.items(), key=lambda item: item[0] == "float64"):
+        torch.set_default_dtype(getattr(torch, dtype))
+        for name, cfg in configs.items():
+            try:
+                out[name] = train_and_report(runtime, cfg)
+            except Exception as err:  # noqa: BLE001 - reported to the test, which fails on it
+                out[name] = f"{type(err).__name__}: {err}"
+    if count_fsdp_shards:
+        out["local_parameters"] = local_parameter_count(runtime)
+    return out
 
 
 def local_parameter_count(runtime):
@@ -109,60 +69,25 @@ def local_parameter_count(runtime):
     }
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
-def test_clipping_by_the_global_norm_equals_the_large_batch(tmp_path, strategy):
-    # A norm small enough that every step clips: each rank must scale by the
-    # norm over all ranks' gradients (or shards), not by its own part of it.
-    clipped = dict(max_grad_norm=0.05, optimizer="adam", lr=1e-3)
-    reference = _single(tmp_path, 16, **clipped)
-    ranks = run_ranks(train_and_report, 2, tmp_path, _config(strategy=strategy, **clipped))
-    for rank in ranks:
-        _assert_same_weights(rank["state"], reference["state"])
+def _state(runs: dict, name: str) -> dict:
+    run = runs[name]
+    assert not isinstance(run, str), f"{name} failed on its rank: {run}"
+    return run["state"]
 
 
-def train_each(runtime, configs: dict):
-    return {name: train_and_report(runtime, cfg)["state"] for name, cfg in configs.items()}
-
-
-def in_float64(fn):
-    """``fn`` with every tensor the run makes in float64 (data, weights, flat buffers, collectives)."""
-
-    def run(runtime, *args):
-        torch.set_default_dtype(torch.float64)
-        return fn(runtime, *args)
-
-    return run
-
-
-def train_and_report_in_float64(runtime, cfg):
-    return in_float64(train_and_report)(runtime, cfg)
-
-
-def train_each_in_float64(runtime, configs):
-    return in_float64(train_each)(runtime, configs)
-
-
-def test_every_zero_stage_with_adam_accumulation_and_clipping_on_4_ranks(tmp_path):
-    # The CNN's 405,898 parameters do not divide by 4, so every flat buffer is padded;
-    # Adam, two micro-steps and a clipping norm that bites make every stage's
-    # bookkeeping count: the sharded optimizer, the reduce-scattered gradients, the norm.
-    # In float64: Adam divides each gradient by its own magnitude, so where a gradient is within
-    # float32 rounding of zero, 4 ranks' sums and one process's (added in other orders) step the
-    # weight differently (measured: 24 of conv1's 800 weights up to 3.5e-5 apart on an AMD EPYC with torch
-    # 2.15, within 5e-6 on the Xeon where this test was written). In float64 that rounding is 1e-16; a
-    # bookkeeping mistake still moves weights by about the learning rate.
-    options = dict(optimizer="adam", lr=1e-3, max_grad_norm=0.05)
-    reference = run_ranks(
-        train_and_report_in_float64, 1, tmp_path, _config(strategy="single", batch_size=4 * 4 * 2, **options)
-    )[0]  # 4 ranks x 2 micro-steps x 4 samples
-    assert all(t.dtype == torch.float64 for t in reference["state"].values() if t.is_floating_point())
-    configs = {
-        name: _config(strategy=name, accum_steps=2, batch_size=4, **options) for name in ("zero1", "zero2", "zero3")
-    }
-    for rank, states in enumerate(run_ranks(train_each_in_float64, 4, tmp_path, configs)):
-        for name, state in states.items():
-            assert_same_state(state, reference["state"], label=f"rank {rank} {name}")
-
+# Adam, two micro-steps and a clipping norm that bites make every ZeRO stage's bookkeeping count: the sharded
+# optimizer, the reduce-scattered gradients, the norm. Run in float64: Adam divides each gradient by its own
+# magnitude, so where a gradient is within float32 rounding of zero, 4 ranks' sums and one process's (added in
+# other orders) step the weight differently (measured: 24 of conv1's 800 weights up to 3.5e-5 apart on an AMD
+# EPYC with torch 2.15, within 5e-6 on the Xeon where this test was written). In float64 that rounding is 1e-16;
+# a bookkeeping mistake still moves weights by about the learning rate.
+ZERO_ON_4 = dict(optimizer="adam", lr=1e-3, max_grad_norm=0.05)
+# A norm small enough that every step clips: each rank must scale by the norm over all ranks' gradients (or
+# shards), not by its own part of it.
+CLIPPED = dict(max_grad_norm=0.05, optimizer="adam", lr=1e-3)
+ACCUMULATING = ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "zero2"]
+CLIPPING = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+FSDP_SHARDING = {"full_shard": True, "shard_grad_op": False}
 
 # Every FSDP2 option of distlab.train, against torch DDP on the same batches:
 # none of them changes the arithmetic, so each must match to rounding.
@@ -176,25 +101,120 @@ FSDP2_OPTIONS = {
 }
 
 
-def test_every_fsdp2_option_trains_like_ddp(tmp_path):
-    configs = {"ddp": _config(strategy="ddp")}
-    for name, (fsdp_flags, ddp_flags) in FSDP2_OPTIONS.items():
-        configs[name] = _config(strategy="fsdp", **fsdp_flags)
-        if ddp_flags:
-            configs[f"ddp_{name}"] = _config(strategy="ddp", **ddp_flags)
-    for rank, states in enumerate(run_ranks(train_each, 2, tmp_path, configs)):
-        for name, (_, ddp_flags) in FSDP2_OPTIONS.items():
-            assert_same_state(states[name], states[f"ddp_{name}" if ddp_flags else "ddp"], label=f"rank {rank} {name}")
-
-
-def test_reshard_to_a_group_of_ranks_trains_like_ddp(tmp_path):
-    # On 4 ranks, parameters stay gathered over pairs between forward and backward.
-    configs = {
-        "ddp": _config(strategy="ddp", batch_size=4),
-        "fsdp": _config(strategy="fsdp", batch_size=4, fsdp_reshard_to=2),
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict:
+    """Every single-process reference, trained once in one process."""
+    float32 = {
+        "batch_16": _config(strategy="single", batch_size=16),
+        "batch_32": _config(strategy="single", batch_size=32),
+        "initial_32": _config(strategy="single", batch_size=32, max_steps=1, lr=0.0),
+        "clipped_16": _config(strategy="single", batch_size=16, **CLIPPED),
     }
-    for rank, states in enumerate(run_ranks(train_each, 4, tmp_path, configs)):
-        assert_same_state(states["fsdp"], states["ddp"], label=f"rank {rank}")
+    float64 = {"zero_on_4": _config(strategy="single", batch_size=4 * 4 * 2, **ZERO_ON_4)}  # 4 ranks x 2 x 4
+    return run_ranks(train_groups, 1, tmp_path_factory.mktemp("one"), {"float32": float32, "float64": float64})[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank configuration, trained one after another on the same two ranks."""
+    configs = {"ddp": _config(strategy="ddp"), "ddp_accum_2": _config(strategy="ddp", accum_steps=2)}
+    for sharding, reshard in FSDP_SHARDING.items():
+        for accum in (1, 2):
+            configs[f"fsdp_{sharding}_accum_{accum}"] = _config(
+                strategy="fsdp", accum_steps=accum, fsdp_reshard_after_forward=reshard
+            )
+    for strategy in ACCUMULATING:
+        configs[f"accumulated_{strategy}"] = _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5)
+    for strategy in CLIPPING:
+        configs[f"clipped_{strategy}"] = _config(strategy=strategy, **CLIPPED)
+    for name, (fsdp_flags, ddp_flags) in FSDP2_OPTIONS.items():
+        configs[f"option_{name}"] = _config(strategy="fsdp", **fsdp_flags)
+        if ddp_flags:
+            configs[f"option_ddp_{name}"] = _config(strategy="ddp", **ddp_flags)
+    one_step = dict(max_steps=1, batch_size=16, synthetic_size=1280)
+    configs["low_ddp"] = _config(strategy="ddp", **one_step)
+    configs["low_initial"] = _config(strategy="ddp", **one_step, lr=0.0)
+    for name, (flags, _) in LOW_PRECISION.items():
+        configs[f"low_{name}"] = _config(strategy="fsdp", **flags, **one_step)
+    return run_ranks(train_groups, 2, tmp_path_factory.mktemp("two"), {"float32": configs}, True)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    float32 = {
+        "ddp": _config(strategy="ddp"),
+        "ddp_batch_4": _config(strategy="ddp", batch_size=4),
+        "fsdp_reshard_to_2": _config(strategy="fsdp", batch_size=4, fsdp_reshard_to=2),
+    }
+    float64 = {
+        f"zero_{name}": _config(strategy=name, accum_steps=2, batch_size=4, **ZERO_ON_4)
+        for name in ("zero1", "zero2", "zero3")
+    }
+    return run_ranks(train_groups, 4, tmp_path_factory.mktemp("four"), {"float32": float32, "float64": float64})
+
+
+def test_ddp_equals_single_process_on_the_concatenated_batch(one_rank, two_ranks, four_ranks):
+    for ranks, reference in ((two_ranks, "batch_16"), (four_ranks, "batch_32")):
+        for rank in ranks:
+            assert_same_state(_state(rank, "ddp"), _state(one_rank, reference), label=f"{len(ranks)} ranks")
+    # and it really trained: the weights moved away from the initial ones
+    initial, trained = _state(one_rank, "initial_32"), _state(one_rank, "batch_32")
+    assert any(not torch.allclose(initial[k], trained[k]) for k in trained)
+
+
+@pytest.mark.parametrize("sharding", FSDP_SHARDING)
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_fsdp_equals_ddp(two_ranks, sharding, accum_steps):
+    ddp_name = "ddp" if accum_steps == 1 else "ddp_accum_2"
+    for rank in two_ranks:
+        fsdp, ddp = rank[f"fsdp_{sharding}_accum_{accum_steps}"], rank[ddp_name]
+        assert_same_state(_state(rank, f"fsdp_{sharding}_accum_{accum_steps}"), _state(rank, ddp_name))
+        assert fsdp["history"][0]["test_accuracy"] == pytest.approx(ddp["history"][0]["test_accuracy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ACCUMULATING)
+def test_accumulation_with_no_sync_equals_the_large_batch(one_rank, two_ranks, strategy):
+    # 2 ranks x 2 micro-batches of 8 == one process on 32 samples per step, through the one training loop,
+    # for torch DDP and the course's own. Micro-batches of one rank are consecutive in its shard, so the union
+    # over ranks and micro-steps is the same 32 samples as the big batch.
+    assert_same_state(_state(two_ranks[0], f"accumulated_{strategy}"), _state(one_rank, "batch_32"))
+
+
+def test_fsdp_shards_are_exactly_one_over_n(two_ranks):
+    # Every CNN parameter has an even first dimension, so dim-0 sharding
+    # over 2 ranks needs no padding: each rank must hold exactly half.
+    counts = [rank["local_parameters"] for rank in two_ranks]
+    total = counts[0]["total"]
+    assert total == CNN_PARAMETERS
+    assert [c["local"] for c in counts] == [total // 2, total // 2]
+
+
+@pytest.mark.parametrize("strategy", CLIPPING)
+def test_clipping_by_the_global_norm_equals_the_large_batch(one_rank, two_ranks, strategy):
+    for rank in two_ranks:
+        assert_same_state(_state(rank, f"clipped_{strategy}"), _state(one_rank, "clipped_16"))
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_every_zero_stage_with_adam_accumulation_and_clipping_on_4_ranks(one_rank, four_ranks, stage):
+    # The CNN's 405,898 parameters do not divide by 4, so every flat buffer is padded.
+    reference = _state(one_rank, "zero_on_4")
+    assert all(t.dtype == torch.float64 for t in reference.values() if t.is_floating_point())
+    for rank, states in enumerate(four_ranks):
+        assert_same_state(_state(states, f"zero_{stage}"), reference, label=f"rank {rank} {stage}")
+
+
+@pytest.mark.parametrize("option", FSDP2_OPTIONS)
+def test_every_fsdp2_option_trains_like_ddp(two_ranks, option):
+    ddp = f"option_ddp_{option}" if FSDP2_OPTIONS[option][1] else "ddp"
+    for rank, states in enumerate(two_ranks):
+        assert_same_state(_state(states, f"option_{option}"), _state(states, ddp), label=f"rank {rank} {option}")
+
+
+def test_reshard_to_a_group_of_ranks_trains_like_ddp(four_ranks):
+    # On 4 ranks, parameters stay gathered over pairs between forward and backward.
+    for rank, states in enumerate(four_ranks):
+        assert_same_state(_state(states, "fsdp_reshard_to_2"), _state(states, "ddp_batch_4"), label=f"rank {rank}")
 
 
 # Low-precision parameters round the forward and backward to 8 (bf16) or 11
@@ -217,11 +237,11 @@ def _relative_update_error(state: dict, reference: dict, initial: dict) -> float
     return float(error / update)
 
 
-def test_low_precision_fsdp2_steps_like_fp32_ddp_within_its_rounding(tmp_path):
-    one_step = dict(max_steps=1, batch_size=16, synthetic_size=1280)
-    configs = {"ddp": _config(strategy="ddp", **one_step), "initial": _config(strategy="ddp", **one_step, lr=0.0)}
-    configs |= {name: _config(strategy="fsdp", **flags, **one_step) for name, (flags, _) in LOW_PRECISION.items()}
-    states = run_ranks(train_each, 2, tmp_path, configs)[0]
-    for name, (_, bound) in LOW_PRECISION.items():
-        error = _relative_update_error(states[name], states["ddp"], states["initial"])
-        assert 0 < error < bound, f"{name}: the update differs from fp32 DDP's by {error:.1%}, bound {bound:.0%}"
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_low_precision_fsdp2_steps_like_fp32_ddp_within_its_rounding(two_ranks, name):
+    states = two_ranks[0]
+    error = _relative_update_error(
+        _state(states, f"low_{name}"), _state(states, "low_ddp"), _state(states, "low_initial")
+    )
+    bound = LOW_PRECISION[name][1]
+    assert 0 < error < bound, f"{name}: the update differs from fp32 DDP's by {error:.1%}, bound {bound:.0%}"
