@@ -33,6 +33,9 @@ class Strategy:
     """Wrap a model; say how to run a backward without synchronising."""
 
     name: ClassVar[str] = "base"
+    zero_stage: ClassVar[int] = 0
+    """What each rank keeps only a slice of: 1 the optimizer state, 2 also the gradients, 3 also the
+    parameters (0: every rank holds everything). The course's predictions are keyed by it."""
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
     min_world_size: ClassVar[int] = 1

@@ -32,6 +32,7 @@ class FSDP2(Strategy):
     """
 
     name: ClassVar[str] = "fsdp"
+    zero_stage: ClassVar[int] = 3
     shards_parameters: ClassVar[bool] = True
 
     def __init__(

@@ -324,6 +324,7 @@ class Zero3(Strategy):
     """
 
     name: ClassVar[str] = "zero3"
+    zero_stage: ClassVar[int] = 3
     shards_parameters: ClassVar[bool] = True
     checkpoint_layout: ClassVar[str] = FLAT
     fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"

@@ -17,41 +17,25 @@ from typing import Mapping
 GiB, MiB = 1 << 30, 1 << 20
 
 # The documents cited more than once.
-T4_SHEET = (
-    "NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
-    "tesla-t4/t4-tensor-core-datasheet-951643.pdf"
-)
-A100_SHEET = (
-    "NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
-    "a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, and NVIDIA Ampere Architecture "
-    "In-Depth, https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ (Table 1, A100 SXM4)"
-)
-H100_SHEET = (
-    "NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/"
-    "nvidia-tensor-core-gpu-datasheet (H100 SXM column; '* With sparsity')"
-)
-SMI_TOTALS = (
-    "modal-labs/modal-client PR #2797 'nvidia quotes GB on their GPUs not GiB', "
-    "https://github.com/modal-labs/modal-client/pull/2797: nvidia-smi totals"
-)
-NCCL_TUNING = (
-    "NCCL's own cost model, src/graph/tuning.cc, https://github.com/NVIDIA/nccl/blob/"
-    "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2/src/graph/tuning.cc: 'Latencies in us'; baseLat Ring/Simple "
-    "8.4; hwLat Ring/Simple 3.4 (NVLink), 5.7 (PCI); a ring collective costs baseLat + nsteps * hwLat"
-)
-AUTODL_2080TI = (
-    "Anthony-Hoo, 'AutoDL GPU container multi-GPU interconnect test, 2080Ti x2', https://github.com/"
-    "Anthony-Hoo/Anthony-Hoo.github.io/blob/main/posts/AutoDL_Multi-GPU_Interconnection_Test.md: "
-    "2x RTX 2080 Ti (Turing), PCIe Gen3 x16 (topo PIX), peer access 'NS' (not supported), CUDA 12.4"
-)
-LLM_FOUNDRY = (
-    "MosaicML llm-foundry, 'MPT Training Benchmarks', https://github.com/mosaicml/llm-foundry/blob/"
-    "061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/benchmarking/README.md"
-)
-PALM = (
-    "Chowdhery et al., 'PaLM: Scaling Language Modeling with Pathways', https://arxiv.org/abs/2204.02311, "
-    "Table 3 (MFU): GPT-3 175B on V100 21.3%, Gopher 32.5%, Megatron-Turing NLG 530B on A100 30.2%, PaLM 46.2%"
-)
+T4_SHEET = ("NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+            "tesla-t4/t4-tensor-core-datasheet-951643.pdf")
+A100_SHEET = ("NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+              "a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, and NVIDIA Ampere Architecture "
+              "In-Depth, https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ (Table 1, A100 SXM4)")
+H100_SHEET = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/"
+              "nvidia-tensor-core-gpu-datasheet (H100 SXM column; '* With sparsity')")
+SMI_TOTALS = ("modal-labs/modal-client PR #2797 'nvidia quotes GB on their GPUs not GiB', "
+              "https://github.com/modal-labs/modal-client/pull/2797: nvidia-smi totals")
+NCCL_TUNING = ("NCCL's own cost model, src/graph/tuning.cc, https://github.com/NVIDIA/nccl/blob/"
+               "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2/src/graph/tuning.cc: 'Latencies in us'; baseLat Ring/Simple "
+               "8.4; hwLat Ring/Simple 3.4 (NVLink), 5.7 (PCI); a ring collective costs baseLat + nsteps * hwLat")
+AUTODL_2080TI = ("Anthony-Hoo, 'AutoDL GPU container multi-GPU interconnect test, 2080Ti x2', https://github.com/"
+                 "Anthony-Hoo/Anthony-Hoo.github.io/blob/main/posts/AutoDL_Multi-GPU_Interconnection_Test.md: "
+                 "2x RTX 2080 Ti (Turing), PCIe Gen3 x16 (topo PIX), peer access 'NS' (not supported), CUDA 12.4")
+LLM_FOUNDRY = ("MosaicML llm-foundry, 'MPT Training Benchmarks', https://github.com/mosaicml/llm-foundry/blob/"
+               "061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/benchmarking/README.md")
+PALM = ("Chowdhery et al., 'PaLM: Scaling Language Modeling with Pathways', https://arxiv.org/abs/2204.02311, "
+        "Table 3 (MFU): GPT-3 175B on V100 21.3%, Gopher 32.5%, Megatron-Turing NLG 530B on A100 30.2%, PaLM 46.2%")
 
 
 @dataclass(frozen=True)
@@ -107,23 +91,21 @@ T4 = GPU(
     bf16_flops=None,
     memory_bandwidth=300e9,
     mfu=0.213,
-    sources=MappingProxyType(
-        {
-            "memory_bytes": f"{T4_SHEET}: 'GPU Memory 16 GB GDDR6'; nvidia-smi shows 15360MiB with ECC on ({SMI_TOTALS}).",
-            "usable_memory_bytes": f"{SMI_TOTALS}: 'T4: 15360MiB (16.11 GB)'; DESIGN.md's ~15 GiB usable on Kaggle.",
-            "fp32_flops": f"{T4_SHEET}: 'Single-Precision 8.1 TFLOPS' (also composer's speed_monitor.py table).",
-            "tf32_flops": "Not available: TF32 tensor cores arrived with Ampere; the Ampere In-Depth Table 1 lists "
-            "'Peak TF32 Tensor TFLOPS: NA' for the previous generation, and the T4 sheet lists none.",
-            "fp16_flops": f"{T4_SHEET}: 'Mixed-Precision (FP16/FP32) 65 TFLOPS' (FP16 tensor cores, FP32 accumulate).",
-            "bf16_flops": "Not available: Turing tensor cores do FP16, INT8, INT4 (T4 sheet: 65 TFLOPS, 130/260 TOPS); "
-            "BF16 tensor cores arrived with Ampere. torch.cuda.is_bf16_supported() may still say True: "
-            "bf16 then runs emulated (DESIGN.md: use fp16 autocast + GradScaler on T4).",
-            "memory_bandwidth": f"{T4_SHEET}: '16 GB GDDR6, 300 GB/sec' (TechPowerUp's 256-bit x 10 Gbps gives 320).",
-            "mfu": f"ASSUMPTION: no published training MFU for T4 was found. Taken as the lowest figure in {PALM} "
-            "(GPT-3 on V100, the previous tensor-core generation): 0.213. The T4 is a 70 W card; calibrate "
-            "against a Kaggle run before trusting it.",
-        }
-    ),
+    sources=MappingProxyType({
+        "memory_bytes": f"{T4_SHEET}: 'GPU Memory 16 GB GDDR6'; nvidia-smi shows 15360MiB with ECC on ({SMI_TOTALS}).",
+        "usable_memory_bytes": f"{SMI_TOTALS}: 'T4: 15360MiB (16.11 GB)'; DESIGN.md's ~15 GiB usable on Kaggle.",
+        "fp32_flops": f"{T4_SHEET}: 'Single-Precision 8.1 TFLOPS' (also composer's speed_monitor.py table).",
+        "tf32_flops": "Not available: TF32 tensor cores arrived with Ampere; the Ampere In-Depth Table 1 lists "
+                      "'Peak TF32 Tensor TFLOPS: NA' for the previous generation, and the T4 sheet lists none.",
+        "fp16_flops": f"{T4_SHEET}: 'Mixed-Precision (FP16/FP32) 65 TFLOPS' (FP16 tensor cores, FP32 accumulate).",
+        "bf16_flops": "Not available: Turing tensor cores do FP16, INT8, INT4 (T4 sheet: 65 TFLOPS, 130/260 TOPS); "
+                      "BF16 tensor cores arrived with Ampere. torch.cuda.is_bf16_supported() may still say True: "
+                      "bf16 then runs emulated (DESIGN.md: use fp16 autocast + GradScaler on T4).",
+        "memory_bandwidth": f"{T4_SHEET}: '16 GB GDDR6, 300 GB/sec' (TechPowerUp's 256-bit x 10 Gbps gives 320).",
+        "mfu": f"ASSUMPTION: no published training MFU for T4 was found. Taken as the lowest figure in {PALM} "
+               "(GPT-3 on V100, the previous tensor-core generation): 0.213. The T4 is a 70 W card; calibrate "
+               "against a Kaggle run before trusting it.",
+    }),
 )
 
 A100_40GB = GPU(
@@ -136,22 +118,20 @@ A100_40GB = GPU(
     bf16_flops=312e12,
     memory_bandwidth=1555e9,
     mfu=0.43,
-    sources=MappingProxyType(
-        {
-            "memory_bytes": f"{A100_SHEET}: 'Memory Size 40 GB' (HBM2, 5120-bit).",
-            "usable_memory_bytes": f"{SMI_TOTALS}: 'A100 40GB: 40960MiB'. CUDA's totalGlobalMem is lower: deviceQuery "
-            "on an A100 40GB SXM4 node gives 40441 MBytes (42405855232 bytes), Paderborn PC2 "
-            "docs 'NVIDIA A100 40GB with NVLINK'.",
-            "fp32_flops": f"{A100_SHEET}: 'Peak FP32 TFLOPS 19.5'.",
-            "tf32_flops": f"{A100_SHEET}: 'Peak TF32 Tensor TFLOPS 156/312' (dense/sparse).",
-            "fp16_flops": f"{A100_SHEET}: 'Peak FP16 Tensor TFLOPS with FP32 Accumulate 312/624' (dense/sparse).",
-            "bf16_flops": f"{A100_SHEET}: 'Peak BF16 Tensor TFLOPS with FP32 Accumulate 312/624' (dense/sparse).",
-            "memory_bandwidth": f"{A100_SHEET}: 'Memory Bandwidth 1555 GB/sec' (A100 40GB).",
-            "mfu": f"{LLM_FOUNDRY}, table 'A100 40GB': MPT-125M, seq 2048, 8 GPUs, bf16, FSDP FULL_SHARD: MFU 42.75 "
-            f"(350M: 49.17). Lower at scale: Megatron-Turing NLG on A100, 30.2% ({PALM}). An end-to-end "
-            "figure: it already contains the communication FSDP did not hide.",
-        }
-    ),
+    sources=MappingProxyType({
+        "memory_bytes": f"{A100_SHEET}: 'Memory Size 40 GB' (HBM2, 5120-bit).",
+        "usable_memory_bytes": f"{SMI_TOTALS}: 'A100 40GB: 40960MiB'. CUDA's totalGlobalMem is lower: deviceQuery "
+                               "on an A100 40GB SXM4 node gives 40441 MBytes (42405855232 bytes), Paderborn PC2 "
+                               "docs 'NVIDIA A100 40GB with NVLINK'.",
+        "fp32_flops": f"{A100_SHEET}: 'Peak FP32 TFLOPS 19.5'.",
+        "tf32_flops": f"{A100_SHEET}: 'Peak TF32 Tensor TFLOPS 156/312' (dense/sparse).",
+        "fp16_flops": f"{A100_SHEET}: 'Peak FP16 Tensor TFLOPS with FP32 Accumulate 312/624' (dense/sparse).",
+        "bf16_flops": f"{A100_SHEET}: 'Peak BF16 Tensor TFLOPS with FP32 Accumulate 312/624' (dense/sparse).",
+        "memory_bandwidth": f"{A100_SHEET}: 'Memory Bandwidth 1555 GB/sec' (A100 40GB).",
+        "mfu": f"{LLM_FOUNDRY}, table 'A100 40GB': MPT-125M, seq 2048, 8 GPUs, bf16, FSDP FULL_SHARD: MFU 42.75 "
+               f"(350M: 49.17). Lower at scale: Megatron-Turing NLG on A100, 30.2% ({PALM}). An end-to-end "
+               "figure: it already contains the communication FSDP did not hide.",
+    }),
 )
 
 H100_SXM = GPU(
@@ -164,21 +144,19 @@ H100_SXM = GPU(
     bf16_flops=1979e12 / 2,
     memory_bandwidth=3.35e12,
     mfu=0.35,
-    sources=MappingProxyType(
-        {
-            "memory_bytes": f"{H100_SHEET}: 'GPU memory 80GB' (HBM3).",
-            "usable_memory_bytes": f"{SMI_TOTALS}: 'H100: 81559MiB (85.52 GB)'.",
-            "fp32_flops": f"{H100_SHEET}: 'FP32 67 teraFLOPS'.",
-            "tf32_flops": f"{H100_SHEET}: 'TF32 Tensor Core 989 teraFLOPS*' with sparsity; dense is half. Hopper "
-            "whitepaper gives 494.7 dense at its boost clock.",
-            "fp16_flops": f"{H100_SHEET}: 'FP16 Tensor Core 1,979 teraFLOPS*' with sparsity; dense is half (989.5).",
-            "bf16_flops": f"{H100_SHEET}: 'BFLOAT16 Tensor Core 1,979 teraFLOPS*' with sparsity; dense is half.",
-            "memory_bandwidth": f"{H100_SHEET}: 'GPU memory bandwidth 3.35TB/s'.",
-            "mfu": f"{LLM_FOUNDRY}, table 'H100 80GB BF16': MPT-760M (the smallest listed), seq 2048, 8 GPUs, amp_bf16, "
-            "FSDP FULL_SHARD: MFU 34.9 (1B: 41.82). At scale: 38-43% BF16 MFU on 8K-16K H100s, Llama Team, "
-            "'The Llama 3 Herd of Models', https://arxiv.org/abs/2407.21783, Table 4. End-to-end, as above.",
-        }
-    ),
+    sources=MappingProxyType({
+        "memory_bytes": f"{H100_SHEET}: 'GPU memory 80GB' (HBM3).",
+        "usable_memory_bytes": f"{SMI_TOTALS}: 'H100: 81559MiB (85.52 GB)'.",
+        "fp32_flops": f"{H100_SHEET}: 'FP32 67 teraFLOPS'.",
+        "tf32_flops": f"{H100_SHEET}: 'TF32 Tensor Core 989 teraFLOPS*' with sparsity; dense is half. Hopper "
+                      "whitepaper gives 494.7 dense at its boost clock.",
+        "fp16_flops": f"{H100_SHEET}: 'FP16 Tensor Core 1,979 teraFLOPS*' with sparsity; dense is half (989.5).",
+        "bf16_flops": f"{H100_SHEET}: 'BFLOAT16 Tensor Core 1,979 teraFLOPS*' with sparsity; dense is half.",
+        "memory_bandwidth": f"{H100_SHEET}: 'GPU memory bandwidth 3.35TB/s'.",
+        "mfu": f"{LLM_FOUNDRY}, table 'H100 80GB BF16': MPT-760M (the smallest listed), seq 2048, 8 GPUs, amp_bf16, "
+               "FSDP FULL_SHARD: MFU 34.9 (1B: 41.82). At scale: 38-43% BF16 MFU on 8K-16K H100s, Llama Team, "
+               "'The Llama 3 Herd of Models', https://arxiv.org/abs/2407.21783, Table 4. End-to-end, as above.",
+    }),
 )
 
 GPUS = {"T4": T4, "A100-40GB": A100_40GB, "H100-SXM": H100_SXM}
@@ -195,22 +173,20 @@ KAGGLE_T4X2 = System(
     gather_busbw=3.8e9,
     alpha_step_s=5.7e-6,
     alpha_base_s=8.4e-6,
-    sources=MappingProxyType(
-        {
-            "count": "Kaggle 'GPU T4 x2' accelerator; DESIGN.md's Kaggle section (2x T4, P2P reported unavailable).",
-            "link_bandwidth": f"{T4_SHEET}: 'System Interface x16 PCIe Gen3', 'Interconnect Bandwidth 32 GB/sec' (both "
-            "directions). PCI-SIG PCIe 3.0: 8 GT/s per lane, 128b/130b -> 15.75 GB/s per direction "
-            "for x16 (as distlab.predict.streams.pcie_GBps(3)).",
-            "allreduce_busbw": f"ASSUMPTION (proxy, not T4s): {AUTODL_2080TI}; nccl-tests all_reduce_perf -g 2, float "
-            "sum: busbw 4.00 GB/s from 128 MB to 1 GB. Same path as Kaggle's (PCIe 3 x16, no P2P, "
-            "NCCL through host memory); Kaggle's 4-vCPU host and /dev/shm may differ.",
-            "gather_busbw": f"ASSUMPTION (proxy): {AUTODL_2080TI}; all_gather_perf -g 2: busbw 3.79 GB/s at 1 GB "
-            "(algbw 7.58). reduce_scatter not published there; taken as equal.",
-            "alpha_step_s": f"{NCCL_TUNING}; PCI, since NCCL models a non-NVLink path as PCI. Proxy check: the "
-            "2-GPU all_reduce of 8 bytes took 11.6-12.3 us on the 2080 Ti pair above.",
-            "alpha_base_s": NCCL_TUNING,
-        }
-    ),
+    sources=MappingProxyType({
+        "count": "Kaggle 'GPU T4 x2' accelerator; DESIGN.md's Kaggle section (2x T4, P2P reported unavailable).",
+        "link_bandwidth": f"{T4_SHEET}: 'System Interface x16 PCIe Gen3', 'Interconnect Bandwidth 32 GB/sec' (both "
+                          "directions). PCI-SIG PCIe 3.0: 8 GT/s per lane, 128b/130b -> 15.75 GB/s per direction "
+                          "for x16 (as distlab.predict.streams.pcie_GBps(3)).",
+        "allreduce_busbw": f"ASSUMPTION (proxy, not T4s): {AUTODL_2080TI}; nccl-tests all_reduce_perf -g 2, float "
+                           "sum: busbw 4.00 GB/s from 128 MB to 1 GB. Same path as Kaggle's (PCIe 3 x16, no P2P, "
+                           "NCCL through host memory); Kaggle's 4-vCPU host and /dev/shm may differ.",
+        "gather_busbw": f"ASSUMPTION (proxy): {AUTODL_2080TI}; all_gather_perf -g 2: busbw 3.79 GB/s at 1 GB "
+                        "(algbw 7.58). reduce_scatter not published there; taken as equal.",
+        "alpha_step_s": f"{NCCL_TUNING}; PCI, since NCCL models a non-NVLink path as PCI. Proxy check: the "
+                        "2-GPU all_reduce of 8 bytes took 11.6-12.3 us on the 2080 Ti pair above.",
+        "alpha_base_s": NCCL_TUNING,
+    }),
 )
 
 A100X2 = System(
@@ -223,30 +199,28 @@ A100X2 = System(
     gather_busbw=230e9,
     alpha_step_s=3.4e-6,
     alpha_base_s=8.4e-6,
-    sources=MappingProxyType(
-        {
-            "count": "ASSUMPTION on form factor: SXM4 on an HGX A100 board, as cloud A100 40GB shapes are (GCP's GPU "
-            "table, as copied in huggingface.co/spaces/Elfsong/gcp_allocator: 'A100 40GB | 40 GB HBM2 @ 1.6 "
-            "TBps | ... | NVLink Full Mesh @ 600 GBps'). A100 PCIe cards have NVLink only through a 2-GPU "
-            "bridge (NVIDIA's NVLink page, https://www.nvidia.com/de-de/data-center/nvlink/, translated: "
-            "'NVLink is also available in A100 PCIe configurations with two GPUs'), which a rented pair may "
-            "lack; without it they would talk over PCIe 4 x16 (31.5 GB/s per direction).",
-            "link_bandwidth": "NVIDIA NVLink page above, translated: 'A single NVIDIA A100 Tensor Core GPU supports up to "
-            "twelve third-generation NVLink connections for a total bandwidth of 600 GB/s'; sjeaugey "
-            "(NVIDIA), https://github.com/NVIDIA/nccl-tests/issues/149: 'Each NVLink has a line rate "
-            "of 25GB/s (in each direction)' -> 12 x 25 = 300 GB/s per direction.",
-            "allreduce_busbw": "sjeaugey, https://github.com/NVIDIA/nccl-tests/issues/149 (8x A100-SXM4-80GB, NVSwitch): "
-            "'The total effective bandwidth should therefore be 240GB/s on A100, but some other "
-            "bottlenecks on the GPUs limits it to ~230GB/s' with an 8G message; "
-            "https://github.com/NVIDIA/nccl-tests/issues/175 measured 232.54 GB/s (8x A100, one "
-            "node, -e 4G). ASSUMPTION: 2 GPUs on NVSwitch see the same per-GPU NVLink bound.",
-            "gather_busbw": "ASSUMPTION: the same ~230 GB/s NVLink bound (issue #149). NCCL 2.8's tuning.cc (https://"
-            "github.com/NVIDIA/nccl/blob/01afd20a77b5804e0ecf1042509dd9d20ebf9e93/src/graph/tuning.cc) "
-            "caps every A100 collective: 'if (compCap80) busBw = std::min(busBw, 235.0f)'.",
-            "alpha_step_s": f"{NCCL_TUNING}; NVLink.",
-            "alpha_base_s": NCCL_TUNING,
-        }
-    ),
+    sources=MappingProxyType({
+        "count": "ASSUMPTION on form factor: SXM4 on an HGX A100 board, as cloud A100 40GB shapes are (GCP's GPU "
+                 "table, as copied in huggingface.co/spaces/Elfsong/gcp_allocator: 'A100 40GB | 40 GB HBM2 @ 1.6 "
+                 "TBps | ... | NVLink Full Mesh @ 600 GBps'). A100 PCIe cards have NVLink only through a 2-GPU "
+                 "bridge (NVIDIA's NVLink page, https://www.nvidia.com/de-de/data-center/nvlink/, translated: "
+                 "'NVLink is also available in A100 PCIe configurations with two GPUs'), which a rented pair may "
+                 "lack; without it they would talk over PCIe 4 x16 (31.5 GB/s per direction).",
+        "link_bandwidth": "NVIDIA NVLink page above, translated: 'A single NVIDIA A100 Tensor Core GPU supports up to "
+                          "twelve third-generation NVLink connections for a total bandwidth of 600 GB/s'; sjeaugey "
+                          "(NVIDIA), https://github.com/NVIDIA/nccl-tests/issues/149: 'Each NVLink has a line rate "
+                          "of 25GB/s (in each direction)' -> 12 x 25 = 300 GB/s per direction.",
+        "allreduce_busbw": "sjeaugey, https://github.com/NVIDIA/nccl-tests/issues/149 (8x A100-SXM4-80GB, NVSwitch): "
+                           "'The total effective bandwidth should therefore be 240GB/s on A100, but some other "
+                           "bottlenecks on the GPUs limits it to ~230GB/s' with an 8G message; "
+                           "https://github.com/NVIDIA/nccl-tests/issues/175 measured 232.54 GB/s (8x A100, one "
+                           "node, -e 4G). ASSUMPTION: 2 GPUs on NVSwitch see the same per-GPU NVLink bound.",
+        "gather_busbw": "ASSUMPTION: the same ~230 GB/s NVLink bound (issue #149). NCCL 2.8's tuning.cc (https://"
+                        "github.com/NVIDIA/nccl/blob/01afd20a77b5804e0ecf1042509dd9d20ebf9e93/src/graph/tuning.cc) "
+                        "caps every A100 collective: 'if (compCap80) busBw = std::min(busBw, 235.0f)'.",
+        "alpha_step_s": f"{NCCL_TUNING}; NVLink.",
+        "alpha_base_s": NCCL_TUNING,
+    }),
 )
 
 H100X8 = System(
@@ -259,23 +233,21 @@ H100X8 = System(
     gather_busbw=370e9,
     alpha_step_s=3.4e-6,
     alpha_base_s=8.4e-6,
-    sources=MappingProxyType(
-        {
-            "count": "DGX/HGX H100: 8 H100 SXM5 on one NVSwitch baseboard (nvidia-smi topo: NV18 between every pair, "
-            "https://github.com/NVIDIA/nccl/issues/1264).",
-            "link_bandwidth": f"{H100_SHEET}: 'NVLink: 900GB/s' (both directions, 18 links); sjeaugey, "
-            "https://github.com/NVIDIA/nccl-tests/issues/212: '450GB/s is the line rate' per direction.",
-            "allreduce_busbw": "sjeaugey (NVIDIA), https://github.com/NVIDIA/nccl-tests/issues/212: 'On 8 GPUs, you should "
-            "reach a peak busBw of ~480GB/s (algbw ~275GB/s)' with NVLink SHARP, on sizes above 256M. "
-            "Check: 8x H200 (same NVLink 4) measured 475 GB/s, -e 4G, NCCL 2.20.3, "
-            "https://github.com/NVIDIA/nccl-tests/issues/272.",
-            "gather_busbw": "sjeaugey, nccl-tests issue #212: 'With the protocol overhead (~20%) NCCL can get an effective "
-            "NVLink bandwidth of 370GB/s, which you can observe as BusBw when running non-allreduce "
-            "operations, or when running with NCCL_ALGO=RING'.",
-            "alpha_step_s": f"{NCCL_TUNING}; NVLink ring. NVLS all-reduce is modelled by NCCL as one 23 us step.",
-            "alpha_base_s": NCCL_TUNING,
-        }
-    ),
+    sources=MappingProxyType({
+        "count": "DGX/HGX H100: 8 H100 SXM5 on one NVSwitch baseboard (nvidia-smi topo: NV18 between every pair, "
+                 "https://github.com/NVIDIA/nccl/issues/1264).",
+        "link_bandwidth": f"{H100_SHEET}: 'NVLink: 900GB/s' (both directions, 18 links); sjeaugey, "
+                          "https://github.com/NVIDIA/nccl-tests/issues/212: '450GB/s is the line rate' per direction.",
+        "allreduce_busbw": "sjeaugey (NVIDIA), https://github.com/NVIDIA/nccl-tests/issues/212: 'On 8 GPUs, you should "
+                           "reach a peak busBw of ~480GB/s (algbw ~275GB/s)' with NVLink SHARP, on sizes above 256M. "
+                           "Check: 8x H200 (same NVLink 4) measured 475 GB/s, -e 4G, NCCL 2.20.3, "
+                           "https://github.com/NVIDIA/nccl-tests/issues/272.",
+        "gather_busbw": "sjeaugey, nccl-tests issue #212: 'With the protocol overhead (~20%) NCCL can get an effective "
+                        "NVLink bandwidth of 370GB/s, which you can observe as BusBw when running non-allreduce "
+                        "operations, or when running with NCCL_ALGO=RING'.",
+        "alpha_step_s": f"{NCCL_TUNING}; NVLink ring. NVLS all-reduce is modelled by NCCL as one 23 us step.",
+        "alpha_base_s": NCCL_TUNING,
+    }),
 )
 
 SYSTEMS = {"T4x2": KAGGLE_T4X2, "A100x2": A100X2, "H100x8": H100X8}
