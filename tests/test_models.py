@@ -14,9 +14,9 @@ from distlab.models import (
     build_model,
     count_parameters,
     gpt_param_count,
-    materialize,
     require_shard_units,
 )
+from distlab.parallel.init import materialize
 from distlab.testing import CNN_PARAMETERS, run_ranks
 
 

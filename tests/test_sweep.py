@@ -17,7 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from distlab.bench.sweep import VARIANTS
-from distlab.models import GPT_PRESETS, build_model, materialize
+from distlab.models import GPT_PRESETS, build_model
+from distlab.parallel.init import materialize
 from distlab.predict import costmodel
 from distlab.results import read_result
 from distlab.testing import run_torchrun

@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import DistlabError
-from ..models import materialize
 from ..runtime import Runtime
 from .checkpoint_state import PER_PARAMETER, CheckpointState
+from .init import materialize
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig

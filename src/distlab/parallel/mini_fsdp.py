@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..comm.collectives import ring_all_gather, ring_reduce_scatter
 from ..errors import DistlabError
-from ..models import init_module_whole, require_shard_units, tied_parameters
+from ..models import require_shard_units
 from .base import Strategy, _state_values, _unique
 from .checkpoint_state import FLAT, CheckpointState, initialize_optimizer_state
 from .flat_param import (
@@ -46,6 +46,7 @@ from .flat_param import (
     reduce_scatter_flat,
     segment_owners_mesh,
 )
+from .init import init_module_whole, tied_parameters
 from .mini_ddp import DataParallelWrapper
 
 
@@ -219,7 +220,7 @@ class ShardedParameters(DataParallelWrapper):
         return [ShardedUnit(module, params, collectives, self.group)] if params else []
 
     def materialize(self, device: torch.device, seed: int) -> ShardedParameters:
-        """Initialise a model wrapped on ``meta`` (see :func:`distlab.models.materialize`): module by module,
+        """Initialise a model wrapped on ``meta`` (see :func:`distlab.parallel.init.materialize`): module by module,
         drawing what one process drawing the whole model would, and each unit is cut to this rank's slice as
         soon as its last module is initialised. A rank never holds more than the unfinished units whole."""
         if not any(p.is_meta for p in self.module.parameters()):
