@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -149,7 +149,7 @@ def environment(device: torch.device) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "command": " ".join(sys.argv),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 

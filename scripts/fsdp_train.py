@@ -18,7 +18,7 @@ import platform
 import sys
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
@@ -170,7 +170,7 @@ def environment(device: torch.device) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "command": " ".join(sys.argv),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
