@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from distlab.demos.bad_inputs import BAD_INPUTS, try_rows
 from distlab.errors import collective_failure, torch_says
 from distlab.labs.launch import launcher_environment, run_job, torchrun_command
-from distlab.results import committed_results, read_result
+from distlab.results import read_result
 
 TIMEOUT_S = 3
 GLOO_TIMEOUT = (
@@ -147,7 +148,9 @@ def test_the_table_covers_the_mistakes_the_chapter_names():
 def test_the_chapters_committed_table_is_the_list_tried_here():
     """The troubleshooting chapter shows a committed run of every row (``python -m distlab.demos.bad_inputs``): it must
     hold exactly today's rows, each answered as the row says, nothing left behind."""
-    record = read_result(committed_results("troubleshooting", "bad-inputs.json"))
+    # the checkout's own file: the installed package (Kaggle's stack installs the wheel) may live anywhere
+    results = Path(__file__).resolve().parents[1] / "book" / "results"
+    record = read_result(results / "troubleshooting" / "bad-inputs.json")
     assert [row["name"] for row in record["metrics"]] == [row.name for row in BAD_INPUTS], "re-run it"
     for shown, row in zip(record["metrics"], BAD_INPUTS, strict=True):
         assert (shown["mistake"], shown["fix"]) == (row.mistake, row.fix)
