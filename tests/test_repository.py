@@ -7,9 +7,11 @@ import ast
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,15 @@ def test_the_readme_draws_every_module_of_the_tree():
         summary = ast.get_docstring(ast.parse(init.read_text())).splitlines()[0]
         drawn_as = rf"^  {init.parent.name}/ +{re.escape(summary)}$"
         assert re.search(drawn_as, readme, re.M), f"README: draw {init.parent.name}/ as its docstring says: {summary}"
+
+
+def test_committed_results_are_found_from_a_checkouts_root_when_distlab_is_installed_elsewhere(tmp_path):
+    """On Kaggle's stack distlab is the installed wheel, outside any checkout: run from a checkout's root, the
+    chapters' and tests' committed results are that checkout's."""
+    shutil.copytree(ROOT / "src" / "distlab", tmp_path / "site" / "distlab")
+    found = subprocess.run(
+        [sys.executable, "-c", "from distlab.results import committed_results; print(committed_results('zero'))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.strip() == str(ROOT / "book" / "results" / "zero")

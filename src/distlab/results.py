@@ -136,11 +136,11 @@ def write_result(
 def committed_results(*parts: str) -> Path:
     """``book/results/<parts>`` of this checkout, found from the package itself
     (chapters execute in a scratch directory, so relative paths would break)."""
-    for base in (Path(__file__).resolve(), Path.cwd().resolve()):
-        for folder in base.parents:
-            candidate = folder / "book" / "results"
-            if candidate.is_dir():
-                return candidate.joinpath(*parts)
+    here, cwd = Path(__file__).resolve(), Path.cwd().resolve()
+    for folder in (*here.parents, cwd, *cwd.parents):  # the working directory itself: a checkout's root
+        candidate = folder / "book" / "results"
+        if candidate.is_dir():
+            return candidate.joinpath(*parts)
     raise FileNotFoundError("no book/results folder above the distlab package or the working directory")
 
 
