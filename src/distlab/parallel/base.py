@@ -39,9 +39,9 @@ class Strategy:
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
     min_world_size: ClassVar[int] = 1
+    max_world_size: ClassVar[int | None] = None
     fp16_scaler: ClassVar[str | None] = None
     """Why fp16's loss scaler cannot work with this strategy (None: it can); ``validate()`` refuses it early."""
-    max_world_size: ClassVar[int | None] = None
     checkpoint_layout: ClassVar[str] = PER_PARAMETER
     """How this strategy's checkpoint is laid out; strategies with the same layout load each other's."""
 
