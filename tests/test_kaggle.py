@@ -189,12 +189,7 @@ def _python_without_distlab(tmp_path: Path) -> Path:
     return python
 
 
-PLAYED = LABS if os.environ.get("DISTLAB_PLAY_EVERY_LAB") else [p for p in LABS if p.id == "lab0_first_run"]
-"""CI's Kaggle-stack job plays every lab (DISTLAB_PLAY_EVERY_LAB=1); the main suite plays the first one, and the
-book build runs every lab anyway."""
-
-
-@pytest.mark.parametrize("lab", PLAYED)
+@pytest.mark.parametrize("lab", LABS)  # the book shows the labs unrun: this is where each one runs
 def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(lab, bundle, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     python = _python_without_distlab(tmp_path)

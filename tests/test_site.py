@@ -71,6 +71,18 @@ def test_open_in_kaggle_opens_a_notebook_of_this_repository():
         assert path == f"notebooks/{page.stem}.ipynb" and (BOOK.parent / path).is_file(), links[0]
 
 
+def test_labs_are_shown_unrun_and_say_so_while_chapters_show_their_outputs():
+    """The build does not execute the labs (_config.yml's exclude_patterns): each lab page says it is shown
+    unrun and has no output, and every chapter with code cells still shows what they printed or drew."""
+    for page in _pages():
+        html = page.read_text(errors="replace")
+        cells, outputs = html.count('<div class="cell '), html.count('<div class="cell_output')
+        if page.parent.name == "labs":
+            assert "This lab is shown unrun" in html and outputs == 0, page.name
+        elif cells:
+            assert "This lab is shown unrun" not in html and outputs > 0, page.name
+
+
 NOTES = {"000", "001", "002", "003", "004"}
 TOPICS = {"pin_memory", "DDP", "ring", "FSDP", "speed-ups", "scaling", "memory", "platforms"}
 FINDINGS = {"holds", "wrong", "holds only when", "not checked"}

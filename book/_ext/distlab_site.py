@@ -4,9 +4,10 @@
   as the labs do (myst-nb 1.x never gives the theme an ``ipynb_source``).
 * Sphinx 7.4 writes a body-only script twice (sphinx-doc/sphinx#13402, fixed
   in 8.x), which makes the browser report a redeclared identifier.
-* Each lab page links "Open in Kaggle", once ``_config.yml`` names the
-  repository's public URL (``repository.url``); no link is made up before
-  (Jupyter Book fills in its own repository where none is named).
+* Each lab page says that it is shown unrun and where it runs (the build
+  does not execute the labs), and links "Open in Kaggle" once ``_config.yml``
+  names the repository's public URL (``repository.url``); no link is made up
+  before (Jupyter Book fills in its own repository where none is named).
 """
 
 from __future__ import annotations
@@ -52,18 +53,29 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
         context["ipynb_source"] = f"{pagename}.ipynb"
 
 
-def _open_in_kaggle(app, pagename, templatename, context, doctree):
-    repository = configured_repository(Path(app.srcdir).resolve())
-    if not repository or not pagename.startswith("labs/") or "body" not in context:
+UNRUN_LAB = (
+    '<div class="admonition note distlab-unrun"><p class="admonition-title">This lab is shown unrun</p>'
+    "<p>It is for running: on Kaggle with the \u201cGPU T4 x2\u201d accelerator, or on your own machine "
+    "(<em>Run all</em>; without a GPU it runs on the CPU in a few minutes). Its outputs are what your hardware "
+    "measures. The course\u2019s tests run every lab top to bottom on the CPU at every change.</p></div>\n"
+)
+"""What a lab page says above its first cell: the book's build does not execute the labs."""
+
+
+def _lab_header(app, pagename, templatename, context, doctree):
+    if not pagename.startswith("labs/") or "body" not in context:
         return
-    branch = (app.config.html_theme_options or {}).get("repository_branch") or "main"
-    url = kaggle_url(repository, branch, pagename)
-    link = f'<p class="distlab-kaggle"><a class="reference external" href="{url}">Open in Kaggle</a></p>\n'
-    context["body"] = link + context["body"]
+    header = UNRUN_LAB
+    repository = configured_repository(Path(app.srcdir).resolve())
+    if repository:
+        branch = (app.config.html_theme_options or {}).get("repository_branch") or "main"
+        url = kaggle_url(repository, branch, pagename)
+        header = f'<p class="distlab-kaggle"><a class="reference external" href="{url}">Open in Kaggle</a></p>\n' + header
+    context["body"] = header + context["body"]
 
 
 def setup(app):
     StandaloneHTMLBuilder.add_js_file = _add_js_file_once(StandaloneHTMLBuilder.add_js_file)
     app.connect("html-page-context", _offer_notebook, priority=500)
-    app.connect("html-page-context", _open_in_kaggle, priority=500)
+    app.connect("html-page-context", _lab_header, priority=500)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
