@@ -9,6 +9,7 @@ import torch
 
 from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
+from distlab.parallel import STRATEGIES
 from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 from distlab.train import train
 
@@ -124,7 +125,8 @@ def two_ranks(tmp_path_factory) -> list[dict]:
                 strategy="fsdp", accum_steps=accum, fsdp_reshard_after_forward=reshard
             )
     for strategy in ACCUMULATING:
-        configs[f"accumulated_{strategy}"] = _config(strategy=strategy, accum_steps=2, ddp_bucket_cap_mb=0.5)
+        buckets = {"ddp_bucket_cap_mb": 0.5} if "ddp_bucket_cap_mb" in STRATEGIES[strategy].options else {}
+        configs[f"accumulated_{strategy}"] = _config(strategy=strategy, accum_steps=2, **buckets)
     for strategy in CLIPPING:
         configs[f"clipped_{strategy}"] = _config(strategy=strategy, **CLIPPED)
     for name, (fsdp_flags, ddp_flags) in FSDP2_OPTIONS.items():

@@ -24,7 +24,7 @@
   const STEP_COUNTER_BYTES = { adam: 4, adamw: 4, sgd: 0 };
   const PRECISIONS = ["fp32", "mixed"];
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
-  // Row label -> ZeRO stage of distlab.memory.STAGE, and whether FSDP keeps every unit gathered.
+  // Row label -> ZeRO stage of distlab.predict.memory.STAGE, and whether FSDP keeps every unit gathered.
   const STRATEGIES = [
     { label: "DDP", stage: 0 },
     { label: "ZeRO-1", stage: 1 },

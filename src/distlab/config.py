@@ -7,7 +7,7 @@ the fields; the flags stay flat (``--strategy``, ``--fsdp-reshard-after-forward`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from .cli import from_flags, option, section
@@ -86,7 +86,7 @@ class ParallelConfig:
         "auto", "override the backend: gloo also lets several ranks share one GPU"
     )
     timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
-    ddp_bucket_cap_mb: float = option(25.0, "ddp and bucketed_ddp: gradient bucket size in MB")
+    ddp_bucket_cap_mb: float = option(25.0, "ddp, bucketed_ddp and zero1: gradient bucket size in MB")
     ddp_broadcast_buffers: bool = option(
         True, "ddp: copy rank 0's buffers (BatchNorm statistics) to every rank before each forward"
     )
@@ -219,7 +219,7 @@ class TrainConfig:
         strategy = STRATEGIES[self.parallel.strategy]
         if self.precision.dtype == "fp16" and strategy.fp16_scaler:
             raise DistlabError(fp16_refusal(strategy))
-        self._validate_fsdp_options()
+        self._validate_strategy_options()
         self._validate_checkpoint_options()
         if model_input_kind(self.model.name) == "tokens":
             if self.data.dataset != "synthetic":
@@ -232,20 +232,20 @@ class TrainConfig:
                     f"{self.model.name} takes sequences of 1 to {longest} tokens, not --seq-len {self.model.seq_len}"
                 )
 
-    def _validate_fsdp_options(self) -> None:
+    def _validate_strategy_options(self) -> None:
+        """An option the chosen strategy does not read (each names its own: ``Strategy.options``) is refused
+        rather than ignored."""
         p = self.parallel
-        fsdp_only = {
-            "--fsdp-units root": p.fsdp_units != "model",
-            "--fsdp-reshard-to": p.fsdp_reshard_to != 0,
-            "--fsdp-prefetch explicit": p.fsdp_prefetch != "implicit",
-            "--fsdp-param-dtype": p.fsdp_param_dtype != "none",
-            "--fsdp-reduce-dtype param": p.fsdp_reduce_dtype != "fp32",
-            "--fsdp-cpu-offload": p.fsdp_cpu_offload,
-            "--no-fsdp-reshard-between-micro-steps": not p.fsdp_reshard_between_micro_steps,
-        }
-        used = [flag for flag, set_ in fsdp_only.items() if set_]
-        if used and p.strategy != "fsdp":
-            raise DistlabError(f"{', '.join(used)} configure(s) torch FSDP2: use --strategy fsdp, not {p.strategy}")
+        for field in fields(ParallelConfig):
+            value = getattr(p, field.name)
+            readers = [name for name, strategy in STRATEGIES.items() if field.name in strategy.options]
+            if readers and field.name not in STRATEGIES[p.strategy].options and value != field.default:
+                flag = "--" + ("no-" if value is False else "") + field.name.replace("_", "-")
+                shown = flag if isinstance(value, bool) else f"{flag} {value}"
+                raise DistlabError(
+                    f"{shown} configures {' and '.join(readers)}, which --strategy {p.strategy} is not: "
+                    f"use --strategy {readers[0]}, or leave the option out"
+                )
         if p.fsdp_reshard_to < 0:
             raise DistlabError(f"--fsdp-reshard-to must be a number of ranks (or 0), not {p.fsdp_reshard_to}")
         if p.fsdp_reduce_dtype != "fp32" and p.fsdp_param_dtype == "none":

@@ -33,9 +33,13 @@ class Strategy:
     """Wrap a model; say how to run a backward without synchronising."""
 
     name: ClassVar[str] = "base"
-    zero_stage: ClassVar[int] = 0
-    """What each rank keeps only a slice of: 1 the optimizer state, 2 also the gradients, 3 also the
-    parameters (0: every rank holds everything). The course's predictions are keyed by it."""
+    predicted_by: str = "ddp"
+    """The course's model of this strategy (a key of :data:`distlab.predict.memory.STAGE`): what each rank
+    keeps, the bytes it sends, the collectives it calls. ``ddp`` is every replicated strategy; a strategy
+    whose options change what it keeps (``-no-reshard``) sets it per instance."""
+    options: ClassVar[tuple[str, ...]] = ()
+    """The fields of :class:`distlab.config.ParallelConfig` this strategy reads (in ``from_config``); a
+    configuration that sets another strategy's option is refused."""
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
     min_world_size: ClassVar[int] = 1

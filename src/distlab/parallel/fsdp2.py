@@ -32,7 +32,17 @@ class FSDP2(Strategy):
     """
 
     name: ClassVar[str] = "fsdp"
-    zero_stage: ClassVar[int] = 3
+    predicted_by: str = "fsdp"
+    options: ClassVar[tuple[str, ...]] = (
+        "fsdp_reshard_after_forward",
+        "fsdp_units",
+        "fsdp_reshard_to",
+        "fsdp_prefetch",
+        "fsdp_param_dtype",
+        "fsdp_reduce_dtype",
+        "fsdp_cpu_offload",
+        "fsdp_reshard_between_micro_steps",
+    )
     shards_parameters: ClassVar[bool] = True
 
     def __init__(
@@ -46,6 +56,7 @@ class FSDP2(Strategy):
         units: Literal["model", "root"] = "model",
     ):
         self.reshard_after_forward = reshard_after_forward
+        self.predicted_by = "fsdp-no-reshard" if reshard_after_forward is False else "fsdp"
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.prefetch = prefetch
         self.cpu_offload = cpu_offload

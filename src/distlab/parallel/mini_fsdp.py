@@ -325,7 +325,8 @@ class Zero3(Strategy):
     """
 
     name: ClassVar[str] = "zero3"
-    zero_stage: ClassVar[int] = 3
+    predicted_by: str = "zero3"
+    options: ClassVar[tuple[str, ...]] = ("fsdp_reshard_after_forward", "zero3_prefetch", "zero_collectives")
     shards_parameters: ClassVar[bool] = True
     checkpoint_layout: ClassVar[str] = FLAT
     fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"
@@ -334,6 +335,7 @@ class Zero3(Strategy):
         if collectives not in {"auto", *COLLECTIVES}:
             raise DistlabError(f"zero3: unknown collectives {collectives!r}: use auto, {' or '.join(COLLECTIVES)}")
         self.reshard_after_forward, self.prefetch, self.collectives = reshard_after_forward, prefetch, collectives
+        self.predicted_by = "zero3" if reshard_after_forward else "zero3-no-reshard"
 
     @classmethod
     def from_config(cls, parallel):

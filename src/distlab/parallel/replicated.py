@@ -35,6 +35,7 @@ class TorchDDP(Replicated):
     gradients all-reduced in buckets during backward."""
 
     name: ClassVar[str] = "ddp"
+    options: ClassVar[tuple[str, ...]] = ("ddp_bucket_cap_mb", "ddp_broadcast_buffers")
 
     def __init__(self, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
         self.bucket_cap_mb = bucket_cap_mb
@@ -72,6 +73,7 @@ class BucketedDDPStrategy(Replicated):
     """:class:`.mini_ddp.BucketedDDP`: bucketed all-reduces overlapping backward."""
 
     name: ClassVar[str] = "bucketed_ddp"
+    options: ClassVar[tuple[str, ...]] = ("ddp_bucket_cap_mb",)
 
     def __init__(self, bucket_cap_mb: float = 25.0):
         self.bucket_cap_mb = bucket_cap_mb

@@ -135,7 +135,7 @@ class Zero1(_FlatOptimizerCheckpoint, BucketedDDPStrategy):
     """ZeRO-1: the course's bucketed DDP all-reduces the gradients, then a sharded optimizer steps."""
 
     name: ClassVar[str] = "zero1"
-    zero_stage: ClassVar[int] = 1
+    predicted_by: str = "zero1"
 
     def make_optimizer(self, model, factory):
         return ShardedOptimizer(model.parameters(), factory)
@@ -148,7 +148,7 @@ class Zero2(_FlatOptimizerCheckpoint, Replicated):
     """ZeRO-2: gradients reduce-scattered, a sharded optimizer on the slice."""
 
     name: ClassVar[str] = "zero2"
-    zero_stage: ClassVar[int] = 2
+    predicted_by: str = "zero2"
     fp16_scaler: ClassVar[str | None] = "a scaler checks the gradients on the model, and ZeRO-2 leaves none there"
 
     def wrap(self, model, runtime):

@@ -15,8 +15,6 @@ per-parameter padding of a real model's shapes (:func:`distlab.predict.memory.sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from distlab.predict.memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
 
 GIB = 2**30
@@ -29,10 +27,10 @@ STRATEGIES = {
     "ZeRO-1": "zero1",
     "ZeRO-2": "zero2",
     "FSDP FULL_SHARD (ZeRO-3)": "fsdp",
-    "FSDP SHARD_GRAD_OP": "fsdp",
+    "FSDP SHARD_GRAD_OP": "fsdp-no-reshard",
 }
-"""Row label -> :data:`distlab.predict.memory.STAGE` key. Both FSDP rows hold ZeRO-3's state at rest; they
-differ in the gathered parameters at the peak."""
+"""Row label -> the model of :data:`distlab.predict.memory.STAGE`. Both FSDP rows hold ZeRO-3's state at rest;
+they differ in the gathered parameters at the peak."""
 ROW_FIELDS = ("strategy", "parameters", "gradients", "optimizer_state", "gathered", "activations", "total", "fits")
 DEFAULT_SHARD_UNITS = 32
 """gpt-6.7b's (and a 7B Llama's) 32 transformer blocks."""
@@ -43,15 +41,6 @@ def equal_units(parameters: int, shard_units: int) -> list[list[Shape]]:
     one value larger), and last an empty root: the ``units`` form of :mod:`distlab.predict.memory`."""
     size, larger = divmod(parameters, shard_units)
     return [[(size + 1,)] for _ in range(larger)] + [[(size,)] for _ in range(shard_units - larger)] + [[]]
-
-
-def expected_shard_grad_op_gathered_bytes(
-    world_size: int, units: Sequence[Sequence[Shape]], bytes_per_value: int
-) -> int:
-    """The gathered parameters FSDP holds at its peak with ``reshard_after_forward=False`` (FSDP1's
-    SHARD_GRAD_OP): every unit stays whole from its forward until its backward, so at the end of
-    forward all of them are gathered at once, each padded as FSDP2 pads it."""
-    return sum(expected_gathered_bytes("fsdp", world_size, [unit, []], bytes_per_value) for unit in units)
 
 
 def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units) -> None:
@@ -86,12 +75,9 @@ def _row(
     strategy = STRATEGIES[label]
     units = equal_units(parameters, shard_units)
     parameter_bytes = BYTES_PER_VALUE[optimizer, precision][0]
-    sharded_units = units if strategy == "fsdp" else None  # zero1/zero2 cut one flat buffer
+    sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2 cut one flat buffer
     state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
-    if label == "FSDP SHARD_GRAD_OP":
-        gathered = expected_shard_grad_op_gathered_bytes(gpus, units, parameter_bytes)
-    else:
-        gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
+    gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
     total = state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations
     return {"strategy": label, **state, "gathered": gathered, "activations": activations, "total": total} | {
         "fits": total <= memory_gib * GIB
@@ -111,8 +97,8 @@ def memory_per_rank(
 
     One dict per strategy of :data:`STRATEGIES`, with the keys of :data:`ROW_FIELDS`: the state of
     :func:`distlab.predict.memory.expected_state_bytes`, the whole parameters FSDP gathers (one unit at a time
-    with FULL_SHARD, :func:`distlab.predict.memory.expected_gathered_bytes`; all of them with SHARD_GRAD_OP,
-    :func:`expected_shard_grad_op_gathered_bytes`) in the parameters' dtype, ``activations_gib`` (the
+    with FULL_SHARD, all of them with SHARD_GRAD_OP: :func:`distlab.predict.memory.expected_gathered_bytes`)
+    in the parameters' dtype, ``activations_gib`` (the
     same for every strategy: they depend on batch, sequence and model), their ``total`` and
     ``fits = total <= memory_gib`` GiB."""
     _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units)

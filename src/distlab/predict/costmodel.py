@@ -206,12 +206,9 @@ def collective_calls(
     raise ValueError(f"no collectives known for {variant!r}")
 
 
-STRATEGY_OF = {"zero3-no-reshard": "zero3", "fsdp-no-reshard": "fsdp"}
-
-
 def stepped_values(variant: str, parameters: int, n: int, units: Sequence[Sequence[Shape]]) -> int:
     """Values this rank's optimizer steps: every one when replicated, its shard when sharded."""
-    state = expected_state_bytes(parameters, STRATEGY_OF.get(variant, variant), n, "adam", "fp32", units)
+    state = expected_state_bytes(parameters, variant, n, "adam", "fp32", units)
     return state["optimizer_state"] // BYTES_PER_VALUE["adam", "fp32"][2]
 
 
@@ -264,22 +261,19 @@ def predict_peak_bytes(
     * the optimizer step: the gradients it steps; the course's ZeRO-1 also holds a flat copy of the whole
       gradient and its own slice. (torch's Adam allocates nothing of the model's size here.)"""
     parameters = sum(math.prod(s) for unit in units for s in unit)
-    strategy = STRATEGY_OF.get(variant, variant)
+    strategy = variant.removesuffix("-no-reshard")
     value_bytes = BYTES_PER_VALUE["adam", precision][1]
-    state = expected_state_bytes(parameters, strategy, n, "adam", precision, units)
+    state = expected_state_bytes(parameters, variant, n, "adam", precision, units)
     whole_gradients = parameters * value_bytes
     buckets = whole_gradients if variant in ("ddp", "zero1") else 0  # allocated on one rank too
     sharded_units = [u for u in units if u]
-    if variant.endswith("no-reshard"):
-        gathered = sum(_flat_bytes(unit, n, strategy == "fsdp", value_bytes) for unit in sharded_units)
-    else:
-        gathered = expected_gathered_bytes(strategy, n, sharded_units, value_bytes)
+    gathered = expected_gathered_bytes(variant, n, sharded_units, value_bytes)
     largest_unit = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in sharded_units[:-1]), default=0)
     in_flight = largest_unit if strategy in ("zero3", "fsdp") else 0
     kept = state["parameters"] + state["optimizer_state"] + buckets
     moments = {
         "start_of_backward": kept + gathered + activations + in_flight,
-        "backward": kept + backward_extra if strategy in ("ddp", "zero1", "single") else 0,
+        "backward": kept + backward_extra if strategy in ("ddp", "zero1") else 0,
         "end_of_backward": kept + 3 * whole_gradients if strategy == "zero2" else 0,
         "optimizer_step": kept
         + state["gradients"]

@@ -28,8 +28,12 @@ BYTES_PER_VALUE = {
 STEP_COUNTER_BYTES = {"adam": 4, "adamw": 4, "sgd": 0}
 """torch's Adam keeps one float32 scalar ``step`` per parameter tensor it steps (on the CPU
 unless capturable or fused, even when training on CUDA); SGD keeps none."""
-STAGE = {"single": 0, "ddp": 0, "naive_ddp": 0, "bucketed_ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-"""ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the parameters."""
+STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3-no-reshard": 3, "fsdp": 3, "fsdp-no-reshard": 3}
+"""The course's models of a strategy, by name, with the ZeRO stage each one is: 1 shards the optimizer state
+over the ranks, 2 also the gradients, 3 also the parameters. ``ddp`` is every replicated strategy; ``zero*``
+cut flat buffers, ``fsdp*`` each parameter (FSDP2); ``-no-reshard`` keeps the gathered parameters from forward
+to backward. A strategy names the model that predicts it (``Strategy.predicted_by`` in
+:mod:`distlab.parallel`): the predictions never look a strategy up."""
 Shape = Sequence[int]
 
 
@@ -57,12 +61,12 @@ def _rows(shape: Shape) -> tuple[int, int]:
 def _values_per_rank(strategy: str, n: int, units: Sequence[Sequence[Shape]], rank: int) -> tuple[int, int, int, int]:
     """Values one rank holds of (parameters, gradients, optimizer state), and its step counters."""
     shapes = [shape for unit in units for shape in unit]
-    if strategy == "fsdp":  # FSDP2: every parameter's dim 0 padded to a multiple of N, shard = ceil(dim0/N) rows;
-        # the optimizer's state has only this rank's own rows (torch.chunk's split, no padding)
+    if strategy.startswith("fsdp"):  # FSDP2: each parameter's dim 0 padded to a multiple of N, shard = ceil(dim0/N)
+        # rows; the optimizer's state has only this rank's own rows (torch.chunk's split, no padding)
         padded = sum(_ceil(d0, n) * row for d0, row in map(_rows, shapes))
         own = sum(max(0, min(_ceil(d0, n), d0 - rank * _ceil(d0, n))) * row for d0, row in map(_rows, shapes))
         return padded, padded, own, len(shapes)
-    if strategy == "zero3":  # one flat buffer per shard unit, padded to a multiple of N; one optimizer tensor a unit
+    if strategy.startswith("zero3"):  # one flat buffer a unit, padded to a multiple of N; one optimizer tensor each
         shard = sum(_ceil(sum(math.prod(s) for s in unit), n) for unit in units)
         return shard, shard, shard, sum(1 for unit in units if unit)
     total, stage = sum(math.prod(s) for s in shapes), STAGE[strategy]
@@ -82,12 +86,12 @@ def expected_state_bytes(
     units: Sequence[Sequence[Shape]] | None = None,
     rank: int = 0,
 ) -> dict[str, int]:
-    """Bytes of ``parameters``, ``gradients`` (as the optimizer steps) and ``optimizer_state`` on one rank.
+    """Bytes of ``parameters``, ``gradients`` (as the optimizer steps) and ``optimizer_state`` on one rank,
+    for ``strategy`` a model of :data:`STAGE`.
 
-    Replicated strategies (single, ddp, naive_ddp, bucketed_ddp) hold everything;
-    zero1 divides the optimizer state by N, zero2 also the gradients, zero3 and
-    fsdp also the parameters. A divided value is ``ceil(values / N)`` of the
-    padded buffer the implementation really cuts:
+    ddp (every replicated strategy) holds everything; zero1 divides the optimizer state
+    by N, zero2 also the gradients, zero3 and fsdp also the parameters. A divided value
+    is ``ceil(values / N)`` of the padded buffer the implementation really cuts:
 
     * zero1, zero2: one flat buffer over all trainable parameters;
     * zero3: one flat buffer per shard unit;
@@ -118,18 +122,22 @@ def expected_state_bytes(
 def expected_gathered_bytes(
     strategy: str, world_size: int, units: Sequence[Sequence[Shape]], bytes_per_value: int = 4
 ) -> int:
-    """The most whole (gathered, padded) parameters zero3 or fsdp hold at once; 0 for the others.
+    """The most whole (gathered, padded) parameters the zero3 and fsdp models hold at once; 0 for the others.
 
     ``units`` as from :func:`shard_unit_shapes`, the root's last. Both keep the root gathered from
     forward into backward (it is needed first), and with ``reshard_after_forward`` and no prefetch
-    gather one other unit at a time: FSDP2 pads each parameter's dim 0, zero3 the unit's flat buffer."""
+    gather one other unit at a time; their ``-no-reshard`` models keep every unit gathered from its
+    forward to its backward, so all at once at the end of forward. FSDP2 pads each parameter's dim 0,
+    zero3 the unit's flat buffer."""
     n = world_size
-    if strategy == "fsdp":
+    if strategy.startswith("fsdp"):
         gathered = [sum(_ceil(d0, n) * n * row for d0, row in map(_rows, unit)) for unit in units]
-    elif strategy == "zero3":
+    elif strategy.startswith("zero3"):
         gathered = [_ceil(sum(math.prod(s) for s in unit), n) * n for unit in units]
     else:
         return 0
+    if strategy.endswith("-no-reshard"):
+        return sum(gathered) * bytes_per_value
     return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 def expected_bytes_per_step(
     strategy: str, parameters: int, world_size: int, bytes_per_value: int = 4, gathered_once: int = 0
 ) -> float:
-    """The derivation: bytes one rank sends in one optimizer step, for ``parameters`` (Ψ) values.
+    """The derivation: bytes one rank sends in one optimizer step, for ``parameters`` (Ψ) values and
+    ``strategy`` a model of :data:`distlab.predict.memory.STAGE`.
 
     DDP all-reduces the gradients: 2Ψ(n-1)/n. ZeRO-1 as written here all-reduces
     them too and then all-gathers the updated parameters: 3Ψ(n-1)/n. ZeRO-2
@@ -16,16 +17,15 @@ def expected_bytes_per_step(
     to DDP's 2Ψ(n-1)/n: sharding gradients and optimizer state costs no
     traffic. ZeRO-3 all-gathers the parameters in forward and again in
     backward, and reduce-scatters the gradients: 3Ψ(n-1)/n, 1.5x DDP; keeping
-    the gathered parameters from forward to backward (SHARD_GRAD_OP) saves the
-    second gather: 2Ψ(n-1)/n. ``gathered_once`` values are gathered once even
-    under ZeRO-3: the root unit computes last in forward and first in backward,
-    so it stays gathered in between (FSDP2 does the same). Ψ here includes the
-    padding of the flat buffers.
+    the gathered parameters from forward to backward (``-no-reshard``, FSDP1's
+    SHARD_GRAD_OP) saves the second gather: 2Ψ(n-1)/n. FSDP2 sends what ZeRO-3
+    does. ``gathered_once`` values are gathered once even under ZeRO-3: the root
+    unit computes last in forward and first in backward, so it stays gathered in
+    between (FSDP2 does the same). Ψ here includes the padding of the flat buffers.
     """
-    volumes = {"ddp": 2, "naive_ddp": 2, "bucketed_ddp": 2, "zero1": 3, "zero2": 2}
-    volumes |= {"zero3": 3, "zero3_shard_grad_op": 2}
+    volumes = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3, "zero3-no-reshard": 2, "fsdp": 3, "fsdp-no-reshard": 2}
     if strategy not in volumes:
         raise ValueError(f"no derivation for {strategy!r}: choose from {', '.join(volumes)}")
-    values = volumes[strategy] * parameters - (gathered_once if strategy == "zero3" else 0)
+    values = volumes[strategy] * parameters - (gathered_once if strategy in ("zero3", "fsdp") else 0)
     n = world_size
     return values * bytes_per_value * (n - 1) / n
