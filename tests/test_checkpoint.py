@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distlab.checkpoint import CheckpointFolder, from_json_tensor, full_state_dict
+from distlab.checkpoint import CheckpointFolder, from_json_tensor
 from distlab.config import TrainConfig
 from distlab.errors import run_main
 from distlab.labs.launch import launcher_environment, run_job
+from distlab.parallel import full_state_dict
 from distlab.runtime import distributed
 from distlab.testing import run_ranks
 from distlab.train import TrainState, build_run, main, train

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
-from distlab.parallel import STRATEGIES
+from distlab.parallel import STRATEGIES, full_state_dict
 from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 from distlab.train import train
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distlab.checkpoint import full_state_dict
 from distlab.cli import build_parser, parse
 from distlab.config import TrainConfig
 from distlab.demos.fsdp_maps import (
@@ -29,6 +28,7 @@ from distlab.demos.fsdp_maps import (
 )
 from distlab.errors import DistlabError
 from distlab.models import build_model
+from distlab.parallel import full_state_dict
 from distlab.parallel.fsdp1 import NOTES_MIN_NUM_PARAMS, policy_units, size_based_units, wrap_fsdp1
 from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 

@@ -20,9 +20,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.checkpoint import full_state_dict
 from distlab.comm.collectives import ring_all_reduce
-from distlab.parallel import FSDP2, BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2, Zero3
+from distlab.parallel import (
+    FSDP2,
+    BucketedDDPStrategy,
+    NaiveDDPStrategy,
+    TorchDDP,
+    Zero1,
+    Zero2,
+    Zero3,
+    full_state_dict,
+)
 from distlab.parallel.base import Strategy
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP
 from distlab.runtime import Runtime

@@ -11,11 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
 from distlab.models import build_model
-from distlab.parallel import Zero3
+from distlab.parallel import Zero3, full_state_dict
 from distlab.parallel.mini_fsdp import ShardedParameters
 from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train

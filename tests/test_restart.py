@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from distlab.checkpoint import full_state_dict
 from distlab.config import TrainConfig
 from distlab.labs.launch import launcher_environment, run_job, torchrun_command
+from distlab.parallel import full_state_dict
 from distlab.testing import run_ranks
 from distlab.train import train
 

@@ -36,29 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import __version__
 from .errors import DistlabError
 from .parallel import STRATEGIES
-from .parallel.checkpoint_state import unwrap
-from .parallel.mini_fsdp import ShardedParameters
 from .runtime import Runtime
 
 LAYOUTS = {name: strategy.checkpoint_layout for name, strategy in STRATEGIES.items()}
 """How each strategy's checkpoint is laid out (its own ``checkpoint_layout``); the same layout loads."""
-
-
-def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer, whole and on the CPU: on every rank, or,
-    with ``rank0_only``, on rank 0 alone (the others get ``{}``), so no other
-    rank ever holds the whole model. A collective: every rank must call it."""
-    if isinstance(model, ShardedParameters):  # the course's ZeRO-3 knows where its shards go
-        return model.full_state_dict(rank0_only)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_model_state_dict(unwrap(model), options=options)
-    return {key: value.detach().cpu().clone() for key, value in state.items()}
 
 
 def json_tensor(value: Any) -> torch.Tensor:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import full_state_dict
 from .cli import finish_run, parse
 from .config import TrainConfig
 from .data import DataOrderCheck, DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
@@ -39,7 +38,7 @@ from .models import (
     count_parameters,
     model_input_kind,
 )
-from .parallel import Strategy, make_strategy
+from .parallel import Strategy, full_state_dict, make_strategy
 from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, synchronize
 
 # The optimizer step whose memory is measured: the second, since the first

@@ -69,7 +69,7 @@ def shape(runtime: Runtime) -> None:
 EVAL_FIX = (
     "under FSDP every rank holds only a shard of the weights, so every rank must run evaluation's forward: "
     "evaluate on every rank and all-reduce the counts (distlab.train.evaluate), or gather the full state "
-    "dict to rank 0 (distlab.checkpoint.full_state_dict(model, rank0_only=True)) and evaluate a plain copy there"
+    "dict to rank 0 (distlab.parallel.full_state_dict(model, rank0_only=True)) and evaluate a plain copy there"
 )
 
 

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import full_state_dict
 from ..cli import ResultConfig, finish_run, option, parse
 from ..errors import DistlabError, run_main
 from ..models import build_model
+from ..parallel import full_state_dict
 from ..parallel.fsdp2 import FSDP2, gathered_parameters
 from ..runtime import distributed
 

@@ -7,7 +7,8 @@ Each is a :class:`.base.Strategy`, the naive version beside the real one:
 * :mod:`.mini_fsdp`: ZeRO-3 from scratch (the parameters themselves sharded), the course's own FSDP;
 * :mod:`.fsdp2`: torch's FSDP2.
 
-``STRATEGIES`` maps each command-line name to its class. :mod:`.flat_param` lays parameters end to end in
+``STRATEGIES`` maps each command-line name to its class; :func:`full_state_dict` gathers any wrapped model
+whole (the course's ZeRO-3 knows where its own shards go). :mod:`.flat_param` lays parameters end to end in
 equal shards for the from-scratch ZeRO; :mod:`.fsdp1` runs FSDP1 as the notes configure it, outside the registry.
 
 A new strategy goes here: a :class:`.base.Strategy` subclass in its own module, added to ``STRATEGIES``.
@@ -19,10 +20,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from ..errors import DistlabError
 from .base import Strategy
+from .checkpoint_state import unwrap
 from .fsdp2 import FSDP2
-from .mini_fsdp import Zero3
+from .mini_fsdp import ShardedParameters, Zero3
 from .replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
 from .zero import Zero1, Zero2
 
@@ -39,3 +45,14 @@ def make_strategy(parallel: ParallelConfig) -> Strategy:
     if parallel.strategy not in STRATEGIES:
         raise DistlabError(f"unknown strategy {parallel.strategy!r}: use {', '.join(STRATEGIES)}")
     return STRATEGIES[parallel.strategy].from_config(parallel)
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a wrapped model, whole and on the CPU: on every rank, or, with
+    ``rank0_only``, on rank 0 alone (the others get ``{}``), so no other rank ever holds the whole model.
+    A collective: every rank must call it."""
+    if isinstance(model, ShardedParameters):  # the course's ZeRO-3 knows where its shards go
+        return model.full_state_dict(rank0_only)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_model_state_dict(unwrap(model), options=options)
+    return {key: value.detach().cpu().clone() for key, value in state.items()}
