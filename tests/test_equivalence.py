@@ -93,6 +93,7 @@ FSDP_SHARDING = {"full_shard": True, "shard_grad_op": False}
 # none of them changes the arithmetic, so each must match to rounding.
 FSDP2_OPTIONS = {
     "explicit_prefetch": (dict(fsdp_prefetch="explicit"), {}),
+    "explicit_prefetch_2": (dict(fsdp_prefetch="explicit", fsdp_prefetch_depth=2), {}),
     "cpu_offload": (dict(fsdp_cpu_offload=True), {}),
     "activation_checkpointing": (dict(activation_checkpointing=True), {}),
     "checkpointing_shard_grad_op": (dict(activation_checkpointing=True, fsdp_reshard_after_forward=False), {}),

@@ -73,11 +73,13 @@ IMPLEMENTATIONS = {
     "zero2": _row(Zero2(), True),
     "zero3_full_shard": _row(Zero3(reshard_after_forward=True), True),
     "zero3_shard_grad_op": _row(Zero3(reshard_after_forward=False), True),
-    "zero3_prefetch": _row(Zero3(prefetch=True), True),
+    "zero3_prefetch": _row(Zero3(prefetch=1), True),
+    "zero3_prefetch_2": _row(Zero3(prefetch=2), True),
     "zero3_our_ring": _row(Zero3(collectives="ring"), True),
     "zero3_torch_collectives": _row(Zero3(collectives="torch"), True),
     "fsdp2_full_shard": _row(FSDP2(reshard_after_forward=True), False),
     "fsdp2_shard_grad_op": _row(FSDP2(reshard_after_forward=False), False),
+    "fsdp2_prefetch_2": _row(FSDP2(prefetch="explicit", prefetch_depth=2), False),
 }
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
-from distlab.models import build_model
+from distlab.models import GPT, GPTConfig, build_model
 from distlab.parallel import Zero3, full_state_dict
 from distlab.parallel.mini_fsdp import ShardedParameters
 from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
@@ -117,12 +117,38 @@ def memory_through_a_step(runtime):
         seen["after_no_grad_forward"] = _gathered(model)
         report[(reshard, prefetch)] = seen
     report["unused_error"] = _unused_parameter_error()  # in the same spawn: ranks are slow to start
+    report["gathered_ahead"] = _gathered_as_the_first_block_starts(runtime)
     return report
+
+
+def _gathered_as_the_first_block_starts(runtime) -> dict[int, list[bool]]:
+    """Per prefetch depth, which units of a 4-block GPT are gathered or on their way when the first block's
+    forward starts (after the wrapper's own pre-hook, which gathers and prefetches)."""
+    seen = {}
+    for depth in (0, 1, 2):
+        with torch.random.fork_rng():
+            model = Zero3(prefetch=depth).wrap(GPT(GPTConfig(n_layer=4, n_head=1, d_model=8, vocab_size=16)), runtime)
+
+        def note(*_, model=model, depth=depth) -> None:  # a pre-hook that returns something replaces the input
+            seen.setdefault(depth, [unit.is_gathered for unit in model.units])
+
+        model.units[0].module.register_forward_pre_hook(note)
+        model(torch.zeros(1, 8, dtype=torch.long))
+    return seen
 
 
 @pytest.fixture(scope="module")
 def through_a_step(tmp_path_factory):
     return run_ranks(memory_through_a_step, 2, tmp_path_factory.mktemp("zero3-memory"))
+
+
+def test_prefetch_gathers_as_many_units_ahead_as_its_depth(through_a_step):
+    for rank in through_a_step:
+        assert rank["gathered_ahead"] == {
+            0: [True, False, False, False],
+            1: [True, True, False, False],
+            2: [True, True, True, False],
+        }
 
 
 @pytest.mark.parametrize("configuration", list(CONFIGURATIONS))

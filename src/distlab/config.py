@@ -110,6 +110,11 @@ class ParallelConfig:
         "fsdp: implicit (FSDP2's default: backward gathers the next unit early by itself) or explicit "
         "(each unit names the next to gather, forward and backward: set_modules_to_forward/backward_prefetch)",
     )
+    fsdp_prefetch_depth: int = option(
+        1,
+        "fsdp with --fsdp-prefetch explicit: units each one gathers ahead. 1 overlaps what the implicit default "
+        "already overlaps (its all-gather is only issued earlier); 2 keeps two all-gathers in flight",
+    )
     fsdp_param_dtype: Literal["none", "bf16", "fp16"] = option(
         "none", "fsdp: MixedPrecisionPolicy dtype of the gathered parameters, so of forward and backward"
     )
@@ -126,7 +131,9 @@ class ParallelConfig:
         "fsdp with --accum-steps: --no-... keeps the gathered parameters across micro-steps (fewer "
         "all-gathers, more memory); they are always freed before the optimizer step",
     )
-    zero3_prefetch: bool = option(False, "zero3: all-gather the next unit while this one computes")
+    zero3_prefetch: int = option(
+        0, "zero3: units all-gathered ahead while one computes (0: none; 1: the next, as FSDP2 does by default; 2)"
+    )
     zero_collectives: Literal["auto", "torch", "ring"] = option(
         "auto",
         "zero3: torch's all-gather/reduce-scatter, the course's hand-written ring, or auto (the ring on gloo, "
@@ -246,6 +253,10 @@ class TrainConfig:
                     f"{shown} configures {' and '.join(readers)}, which --strategy {p.strategy} is not: "
                     f"use --strategy {readers[0]}, or leave the option out"
                 )
+        if p.fsdp_prefetch_depth < 1 or p.zero3_prefetch < 0:
+            raise DistlabError("--fsdp-prefetch-depth is 1 or more, --zero3-prefetch 0 or more: units gathered ahead")
+        if p.fsdp_prefetch_depth != 1 and p.fsdp_prefetch != "explicit":
+            raise DistlabError("--fsdp-prefetch-depth needs --fsdp-prefetch explicit (implicit prefetch has no depth)")
         if p.fsdp_reshard_to < 0:
             raise DistlabError(f"--fsdp-reshard-to must be a number of ranks (or 0), not {p.fsdp_reshard_to}")
         if p.fsdp_reduce_dtype != "fp32" and p.fsdp_param_dtype == "none":

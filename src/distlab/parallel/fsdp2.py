@@ -38,6 +38,7 @@ class FSDP2(Strategy):
         "fsdp_units",
         "fsdp_reshard_to",
         "fsdp_prefetch",
+        "fsdp_prefetch_depth",
         "fsdp_param_dtype",
         "fsdp_reduce_dtype",
         "fsdp_cpu_offload",
@@ -51,6 +52,7 @@ class FSDP2(Strategy):
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         prefetch: Literal["implicit", "explicit"] = "implicit",
+        prefetch_depth: int = 1,
         cpu_offload: bool = False,
         reshard_between_micro_steps: bool = True,
         units: Literal["model", "root"] = "model",
@@ -58,7 +60,7 @@ class FSDP2(Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.predicted_by = "fsdp-no-reshard" if reshard_after_forward is False else "fsdp"
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        self.prefetch = prefetch
+        self.prefetch, self.prefetch_depth = prefetch, prefetch_depth
         self.cpu_offload = cpu_offload
         self.reshard_between_micro_steps = reshard_between_micro_steps
         self.units = units
@@ -74,6 +76,7 @@ class FSDP2(Strategy):
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             prefetch=parallel.fsdp_prefetch,
+            prefetch_depth=parallel.fsdp_prefetch_depth,
             cpu_offload=parallel.fsdp_cpu_offload,
             reshard_between_micro_steps=parallel.fsdp_reshard_between_micro_steps,
             units=parallel.fsdp_units,
@@ -110,11 +113,13 @@ class FSDP2(Strategy):
         # would only gather them again at once (torch's own default for the root).
         root = fully_shard(model, **{**options, "reshard_after_forward": False})
         if self.prefetch == "explicit":
-            # One unit ahead in both directions; FSDP2's implicit default already
-            # prefetches in backward, explicit lists also let forward run ahead.
-            for before, after in zip(units, units[1:]):
-                before.set_modules_to_forward_prefetch([after])
-                after.set_modules_to_backward_prefetch([before])
+            # Implicit prefetch already overlaps one unit: the all-gather runs on its own stream
+            # while the CPU runs ahead in forward, and backward gathers in reverse forward order.
+            # A list of one only issues that all-gather earlier; two keep two in flight.
+            depth = self.prefetch_depth
+            for index, unit in enumerate(units):
+                unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + depth])
+                unit.set_modules_to_backward_prefetch(units[max(0, index - depth) : index][::-1])
         return root
 
     def _offload_policy(self, device: torch.device):

@@ -172,7 +172,7 @@ class ShardedParameters(DataParallelWrapper):
     :class:`.mini_ddp.DataParallelWrapper`, as is ``no_sync()``: inside it,
     backwards accumulate whole gradients locally, and the next synced backward
     reduce-scatters their sum). Forward and backward hooks gather and free the
-    units; ``prefetch`` starts the next unit's all-gather while this one computes.
+    units; ``prefetch`` starts the all-gathers of that many next units while this one computes (0: none).
     """
 
     def __init__(
@@ -180,7 +180,7 @@ class ShardedParameters(DataParallelWrapper):
         module: nn.Module,
         units: list[nn.Module],
         reshard_after_forward: bool = True,
-        prefetch: bool = False,
+        prefetch: int = 0,
         collectives: str = "torch",
         group=None,
     ):
@@ -270,10 +270,11 @@ class ShardedParameters(DataParallelWrapper):
         self._prefetch_after(unit, self.backward_order)
 
     def _prefetch_after(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
-        """Start the all-gather of the unit that ``order`` runs next, to overlap this one's compute."""
-        following = order[order.index(unit) + 1 :]
-        if self.prefetch and following:
-            following[0].gather(async_op=True)
+        """Start the all-gathers of the ``prefetch`` units that ``order`` runs next, to overlap this one's
+        compute."""
+        start = order.index(unit) + 1
+        for following in order[start : start + int(self.prefetch)]:
+            following.gather(async_op=True)
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         self._on_first_gradient()  # finish_gradient_sync runs once this backward ends
@@ -331,7 +332,7 @@ class Zero3(Strategy):
     checkpoint_layout: ClassVar[str] = FLAT
     fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"
 
-    def __init__(self, reshard_after_forward: bool = True, prefetch: bool = False, collectives: str = "auto"):
+    def __init__(self, reshard_after_forward: bool = True, prefetch: int = 0, collectives: str = "auto"):
         if collectives not in {"auto", *COLLECTIVES}:
             raise DistlabError(f"zero3: unknown collectives {collectives!r}: use auto, {' or '.join(COLLECTIVES)}")
         self.reshard_after_forward, self.prefetch, self.collectives = reshard_after_forward, prefetch, collectives
