@@ -138,6 +138,8 @@ def two_ranks(tmp_path_factory) -> list[dict]:
     configs["low_initial"] = _config(strategy="ddp", **one_step, lr=0.0)
     for name, (flags, _) in LOW_PRECISION.items():
         configs[f"low_{name}"] = _config(strategy="fsdp", **flags, **one_step)
+    for strategy in ("fsdp", "zero3"):  # fp16 autocast and the loss scaler, 3 steps
+        configs[f"fp16_{strategy}"] = _config(strategy=strategy, precision="fp16", **{**one_step, "max_steps": 3})
     return run_ranks(train_groups, 2, tmp_path_factory.mktemp("two"), {"float32": configs}, True)
 
 
@@ -247,3 +249,13 @@ def test_low_precision_fsdp2_steps_like_fp32_ddp_within_its_rounding(two_ranks, 
     )
     bound = LOW_PRECISION[name][1]
     assert 0 < error < bound, f"{name}: the update differs from fp32 DDP's by {error:.1%}, bound {bound:.0%}"
+
+
+def test_zero3_in_fp16_with_its_scaler_equals_fsdp2(two_ranks):
+    """--precision fp16 (autocast and a loss scaler whose inf check all ranks share) trains the course's ZeRO-3
+    as it trains FSDP2: both compute in the same dtypes, only the order of the sums may differ."""
+    for rank in two_ranks:
+        zero3, fsdp = _state(rank, "fp16_zero3"), _state(rank, "fp16_fsdp")
+        assert_same_state(zero3, fsdp, label="zero3 against fsdp in fp16")
+        initial = _state(rank, "low_initial")
+        assert any(not torch.allclose(initial[k], zero3[k]) for k in zero3), "no fp16 step was taken"

@@ -118,7 +118,27 @@ def memory_through_a_step(runtime):
         report[(reshard, prefetch)] = seen
     report["unused_error"] = _unused_parameter_error()  # in the same spawn: ranks are slow to start
     report["gathered_ahead"] = _gathered_as_the_first_block_starts(runtime)
+    report["overflow"] = _an_inf_in_one_ranks_slice(runtime)
     return report
+
+
+def _an_inf_in_one_ranks_slice(runtime) -> dict:
+    """One loss-scaled step in which only rank 1's gradient slice holds an inf: does this rank step?"""
+    strategy = Zero3()
+    with torch.random.fork_rng():
+        model = strategy.wrap(build_model("gpt-tiny"), runtime)
+    optimizer = strategy.make_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    scaler = strategy.grad_scaler(enabled=True, device=torch.device("cpu"))
+    tokens, targets = _tokens()
+    before = [shard.detach().clone() for shard in model.shard_parameters()]
+    scaler.scale(F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())).backward()
+    if runtime.rank == 1:
+        model.shard_parameters()[0].grad[0] = float("inf")
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.shard_parameters()))
+    return {"stepped": moved, "scale_after": scaler.get_scale() / scale}
 
 
 def _gathered_as_the_first_block_starts(runtime) -> dict[int, list[bool]]:
@@ -140,6 +160,11 @@ def _gathered_as_the_first_block_starts(runtime) -> dict[int, list[bool]]:
 @pytest.fixture(scope="module")
 def through_a_step(tmp_path_factory):
     return run_ranks(memory_through_a_step, 2, tmp_path_factory.mktemp("zero3-memory"))
+
+
+def test_an_inf_in_one_ranks_gradient_slice_skips_the_step_on_every_rank(through_a_step):
+    # each rank checks only its own slice; the scaler all-reduces what they found, so rank 0 skips too
+    assert [rank["overflow"] for rank in through_a_step] == [{"stepped": False, "scale_after": 0.5}] * 2
 
 
 def test_prefetch_gathers_as_many_units_ahead_as_its_depth(through_a_step):
@@ -247,8 +272,7 @@ def test_options_come_from_the_configuration():
     ).parallel
     strategy = Zero3.from_config(parallel)
     assert (strategy.reshard_after_forward, strategy.prefetch, strategy.collectives) == (False, True, "ring")
-    with pytest.raises(DistlabError, match="bf16 or fp32"):
-        strategy.grad_scaler(enabled=True, device=torch.device("cpu"))
+    assert type(strategy.grad_scaler(enabled=True, device=torch.device("cpu"))).__name__ == "ShardedGradScaler"
     with pytest.raises(DistlabError, match="auto, torch or ring"):
         Zero3(collectives="nccl")
 

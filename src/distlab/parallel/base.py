@@ -99,9 +99,14 @@ class Strategy:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
-        """fp16's loss scaler; a sharded strategy needs one whose inf checks agree across ranks."""
+        """fp16's loss scaler. Where each rank holds only a slice of the gradients, an inf in one rank's
+        slice must skip the step on every rank: torch's ShardedGradScaler all-reduces what each found."""
         if enabled and self.fp16_scaler:
             raise DistlabError(fp16_refusal(type(self)))
+        if self.shards_parameters:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device.type, enabled=enabled)
         return torch.amp.GradScaler(device.type, enabled=enabled)
 
     def check_world_size(self, world_size: int) -> None:

@@ -152,12 +152,6 @@ class FSDP2(Strategy):
         found["gathered"] = gathered_parameters(model)
         return found
 
-    def grad_scaler(self, enabled, device):
-        # Each rank sees only its gradient shard, so the inf/nan check must agree across ranks.
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device.type, enabled=enabled)
-
 
 def refuse_stale_gathered_parameters(model: nn.Module) -> None:
     """Fail before an optimizer step that would leave gathered parameters stale.

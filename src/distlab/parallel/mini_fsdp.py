@@ -330,7 +330,6 @@ class Zero3(Strategy):
     options: ClassVar[tuple[str, ...]] = ("fsdp_reshard_after_forward", "zero3_prefetch", "zero_collectives")
     shards_parameters: ClassVar[bool] = True
     checkpoint_layout: ClassVar[str] = FLAT
-    fp16_scaler: ClassVar[str | None] = "a scaler checks for inf on each rank alone, and each rank holds only its slice"
 
     def __init__(self, reshard_after_forward: bool = True, prefetch: int = 0, collectives: str = "auto"):
         if collectives not in {"auto", *COLLECTIVES}:
