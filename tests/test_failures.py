@@ -4,7 +4,9 @@ non-zero exit and nothing left behind (``distlab.demos.bad_inputs``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,6 +95,37 @@ def test_a_different_shape_aborts_the_rank_gloo_catches_it_on_and_the_other_says
     assert "Received data size doesn't match expected size" in done.stderr  # gloo's own words, then SIGABRT
     lines = _lines(done, "distlab: rank ")
     assert len(lines) == 1 and "stopped in all_reduce() at failures.py" in lines[0], lines
+
+
+STOPPED_WHILE_FAILING = """
+import os, signal, sys, time
+from distlab.errors import run_main
+
+def main(argv):
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun stops this rank: another one has just failed
+    time.sleep(float(sys.argv[1]))  # this rank's own collective is still on its way to failing
+    raise RuntimeError("[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:28558")
+
+run_main(main)
+"""
+
+
+@pytest.mark.parametrize("failing_after_s, status, says", [(0.3, 3, True), (30, 143, False)])
+def test_a_rank_torchrun_stops_says_where_it_was_if_it_can_within_the_grace(failing_after_s, status, says):
+    # SIGTERM's default would end the rank at once, often before its failing collective returns; run_main
+    # gives it SIGTERM_GRACE_S to say where it was, and ends one that stays blocked as SIGTERM would have
+    started = time.monotonic()
+    env = {**os.environ, "RANK": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPED_WHILE_FAILING, str(failing_after_s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == status, done.stderr[-2000:]
+    assert ("distlab: rank 1 stopped in" in done.stderr) == says, done.stderr[-2000:]
+    assert time.monotonic() - started < 20  # the blocked one did not wait out its 30 s
 
 
 def test_evaluating_on_rank_0_only_under_fsdp_ends_at_the_timeout(cases):

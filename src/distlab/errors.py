@@ -12,7 +12,9 @@ from __future__ import annotations
 import gc
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -196,6 +198,41 @@ def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> 
         say(f"distlab: error: {getattr(err, 'distlab_fix', '') or COLLECTIVE_FIXES[cause]}")
 
 
+SIGTERM_GRACE_S = 2.0
+"""How long a rank torchrun stops with SIGTERM may take to end: long enough to say where it was."""
+
+
+@contextmanager
+def _grace_after_sigterm(seconds: float) -> Iterator[None]:
+    """torchrun stops the other ranks with SIGTERM the moment one fails, and the others are then often failing
+    in the same collective a moment later, about to say where they were: SIGTERM's default would end them
+    before they do. Here the signal only starts a clock. Python's own C-level handler writes it to a pipe at
+    once, even while the main thread is blocked inside a collective; a thread waiting on the pipe ends the
+    process ``seconds`` later, as SIGTERM would have (exit status 143), unless it has ended by then."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def watch() -> None:
+        while chunk := os.read(read_end, 64):  # one byte per signal caught, its number
+            if signal.SIGTERM in chunk:
+                time.sleep(seconds)
+                os._exit(128 + signal.SIGTERM)
+        os.close(read_end)
+
+    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    previous_fd = signal.set_wakeup_fd(write_end)
+    threading.Thread(target=watch, name="distlab-sigterm-grace", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGTERM, previous_handler)
+        os.close(write_end)  # the watcher reads the end of the pipe and returns
+
+
 def run_main(main, argv=None) -> None:
     """Call ``main(argv)`` and turn the errors a user can fix into one line.
 
@@ -209,33 +246,34 @@ def run_main(main, argv=None) -> None:
         sys.stderr.write(line + "\n")  # one write: lines of concurrent ranks stay whole
         sys.stderr.flush()
 
-    try:
-        main(argv)
-    except DistlabError as err:
-        if rank == "0" or err.every_rank:
-            say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
-        if rank == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
-            # would break their connections while they are still setting up, and each would say so.
-            time.sleep(1.0)
-        raise SystemExit(2) from None
-    except _OUT_OF_MEMORY as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
-        say(
-            f"distlab: rank {rank} ran out of device memory ({first_line[:160]}): shard the model "
-            "(--strategy fsdp or zero3), add --activation-checkpointing, or use a smaller --batch-size"
-        )
-        raise SystemExit(4) from None
-    except KeyboardInterrupt:
-        say(f"distlab: rank {rank} interrupted")
-        raise SystemExit(130) from None
-    except Exception as err:
-        kind = collective_failure(err)
-        if kind is None:
-            raise
-        report_collective_failure(err, kind, rank, say)
-        raise SystemExit(3) from None
-    finally:
-        # Once the lines are out: what a failed body left in reference cycles (an FSDP model, which holds the
-        # group distributed() destroyed) goes now, while Python runs, not at interpreter shutdown.
-        gc.collect()
+    with _grace_after_sigterm(SIGTERM_GRACE_S):  # the lines below get said even if torchrun is stopping us
+        try:
+            main(argv)
+        except DistlabError as err:
+            if rank == "0" or err.every_rank:
+                say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
+            if rank == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
+                # would break their connections while they are still setting up, and each would say so.
+                time.sleep(1.0)
+            raise SystemExit(2) from None
+        except _OUT_OF_MEMORY as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+            say(
+                f"distlab: rank {rank} ran out of device memory ({first_line[:160]}): shard the model "
+                "(--strategy fsdp or zero3), add --activation-checkpointing, or use a smaller --batch-size"
+            )
+            raise SystemExit(4) from None
+        except KeyboardInterrupt:
+            say(f"distlab: rank {rank} interrupted")
+            raise SystemExit(130) from None
+        except Exception as err:
+            kind = collective_failure(err)
+            if kind is None:
+                raise
+            report_collective_failure(err, kind, rank, say)
+            raise SystemExit(3) from None
+        finally:
+            # Once the lines are out: what a failed body left in reference cycles (an FSDP model, which holds the
+            # group distributed() destroyed) goes now, while Python runs, not at interpreter shutdown.
+            gc.collect()
