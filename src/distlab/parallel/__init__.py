@@ -8,8 +8,9 @@ Each is a :class:`.base.Strategy`, the naive version beside the real one:
 * :mod:`.fsdp2`: torch's FSDP2.
 
 ``STRATEGIES`` maps each command-line name to its class; :func:`full_state_dict` gathers any wrapped model
-whole (the course's ZeRO-3 knows where its own shards go). :mod:`.flat_param` lays parameters end to end in
-equal shards for the from-scratch ZeRO; :mod:`.fsdp1` runs FSDP1 as the notes configure it, outside the registry.
+whole (the course's ZeRO-3 knows where its own shards go), and :func:`unwrap` finds the user's module in it.
+:mod:`.flat_param` lays parameters end to end in equal shards for the from-scratch ZeRO; :mod:`.fsdp1` runs
+FSDP1 as the notes configure it, outside the registry.
 
 A new strategy goes here: a :class:`.base.Strategy` subclass in its own module, added to ``STRATEGIES``.
 
