@@ -47,6 +47,26 @@ def test_a_timed_out_job_leaves_no_process_behind(tmp_path: Path):
     assert not _alive(_pid_from(pid_file)), "the worker in its own session was stopped with its launcher"
 
 
+SPAWNING_LAUNCHER = """
+import subprocess, sys, time
+# Starts workers in sessions of their own without pause, so the timeout finds it in the middle of one.
+with open(sys.argv[1], "a") as pids:
+    while True:
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the job's pipes close when it ends
+        pids.write(f"{subprocess.Popen(['sleep', '120'], start_new_session=True, **quiet).pid}\\n")
+        pids.flush()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds a job's processes in /proc")
+def test_a_job_stopped_while_it_starts_workers_leaves_none_behind(tmp_path: Path):
+    pid_file = tmp_path / "workers.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch.run_job([sys.executable, "-c", SPAWNING_LAUNCHER, str(pid_file)], timeout=2)
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert pids and not [pid for pid in pids if _alive(pid)], "workers started as the job was stopped outlived it"
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="finds a job's processes in /proc")
 def test_a_notebook_job_past_its_timeout_is_stopped_ranks_included(tmp_path: Path):
     script = tmp_path / "hang.py"

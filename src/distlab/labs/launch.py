@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,22 +51,62 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_for_state(pids: list[int], states: str, within_s: float) -> None:
+    """Wait until each of ``pids`` is in one of ``states`` (/proc's letters) or gone."""
+    deadline = time.monotonic() + within_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                break  # gone, or no /proc: nothing to wait for
+            if state in states:
+                break
+            time.sleep(0.005)
+
+
+def _stop_all(pids: list[int]) -> None:
+    """SIGSTOP each of ``pids`` and wait until the kernel has stopped it."""
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    _wait_for_state(pids, "TtZX", within_s=2.0)
+
+
+def _frozen_family(pid: int) -> list[int]:
+    """Every process below ``pid``, each stopped (SIGSTOP) before the next look: a process caught while it
+    forks a child into a session of its own cannot leave that child out of the list. SIGCONT resumes them."""
+    _stop_all([pid])
+    family: list[int] = []
+    while fresh := [child for child in _descendants(pid) if child not in family]:
+        _stop_all(fresh)
+        family += fresh
+    return family
+
+
 def stop_job(process: subprocess.Popen, grace_s: float = 5.0) -> None:
     """Stop a job started in a session of its own, and everything it started. torchrun starts each rank in
     a session of its own and stops them on SIGTERM; whatever is still alive after ``grace_s`` (a hung rank,
     a launcher that died first) is killed, the ranks included, so no job outlives its caller."""
-    family = _descendants(process.pid)  # before the launcher exits and its ranks are orphaned
+    family = _frozen_family(process.pid)  # before the launcher exits and its ranks are orphaned
     try:
-        os.killpg(process.pid, signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)  # torchrun stops its ranks on SIGTERM, once running again
+        for pid in [process.pid, *family]:
+            _signal(pid, signal.SIGCONT)
         process.wait(grace_s)
     except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
         pass
-    for pid in [process.pid, *family, *_descendants(process.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    remaining = [process.pid, *family, *_descendants(process.pid)]
+    for pid in remaining:
+        _signal(pid, signal.SIGKILL)
     process.wait()
+    _wait_for_state(remaining, "ZX", within_s=5.0)  # SIGKILL is sent at once, but a process takes a moment to end
 
 
 def run_job(command: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
