@@ -35,12 +35,17 @@ class JobOutput:
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: the state first, then the parent's pid (OSError if gone)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid``, read from /proc (Linux; elsewhere none are found)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat_fields(entry.name)[1])
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
@@ -64,7 +69,7 @@ def _wait_for_state(pids: list[int], states: str, within_s: float) -> None:
     for pid in pids:
         while time.monotonic() < deadline:
             try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                state = _stat_fields(pid)[0]
             except (OSError, IndexError):
                 break  # gone, or no /proc: nothing to wait for
             if state in states:
