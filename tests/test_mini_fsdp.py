@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
 from distlab.models import GPT, GPTConfig, build_model
-from distlab.parallel import Zero3, full_state_dict
+from distlab.parallel import Zero2, Zero3, full_state_dict
+from distlab.parallel.base import MixedPrecision
 from distlab.parallel.mini_fsdp import ShardedParameters
-from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
+from distlab.testing import TOY_MODELS, ToyWithFrozen, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train
 
 SHARDED_MODELS = {**{name: spec[0] for name, spec in TOY_MODELS.items()}, "gpt-tiny": lambda: build_model("gpt-tiny")}
@@ -118,13 +119,35 @@ def memory_through_a_step(runtime):
         report[(reshard, prefetch)] = seen
     report["unused_error"] = _unused_parameter_error()  # in the same spawn: ranks are slow to start
     report["gathered_ahead"] = _gathered_as_the_first_block_starts(runtime)
-    report["overflow"] = _an_inf_in_one_ranks_slice(runtime)
+    report["frozen_bf16"] = _frozen_parameter_under_bf16(runtime)
+    report["overflow"] = {s.name: _an_inf_in_one_ranks_slice(runtime, s) for s in (Zero3(), Zero2())}
     return report
 
 
-def _an_inf_in_one_ranks_slice(runtime) -> dict:
+def _frozen_parameter_under_bf16(runtime) -> dict:
+    """ZeRO-3 gathering in bf16 a model with a frozen bias: it computes in bf16, trains, and its state dict
+    keeps the frozen bias's own fp32 values."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        plain = ToyWithFrozen()
+    frozen = plain.fc1.bias.detach().clone()
+    strategy = Zero3(precision=MixedPrecision(torch.bfloat16, torch.float32))
+    model = strategy.wrap(plain, runtime)
+    optimizer = strategy.make_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    inputs = torch.randn(4, 11, generator=torch.Generator().manual_seed(runtime.rank))
+    logits = model(inputs)
+    F.cross_entropy(logits.float(), torch.arange(4) % 5).backward()
+    optimizer.step()
+    state = full_state_dict(model)
+    return {
+        "computed_in": str(logits.dtype),
+        "frozen_kept": state["fc1.bias"].dtype == torch.float32 and torch.equal(state["fc1.bias"], frozen),
+        "trained_in_fp32": state["fc2.weight"].dtype == torch.float32,
+    }
+
+
+def _an_inf_in_one_ranks_slice(runtime, strategy) -> dict:
     """One loss-scaled step in which only rank 1's gradient slice holds an inf: does this rank step?"""
-    strategy = Zero3()
     with torch.random.fork_rng():
         model = strategy.wrap(build_model("gpt-tiny"), runtime)
     optimizer = strategy.make_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
@@ -164,7 +187,13 @@ def through_a_step(tmp_path_factory):
 
 def test_an_inf_in_one_ranks_gradient_slice_skips_the_step_on_every_rank(through_a_step):
     # each rank checks only its own slice; the scaler all-reduces what they found, so rank 0 skips too
-    assert [rank["overflow"] for rank in through_a_step] == [{"stepped": False, "scale_after": 0.5}] * 2
+    skipped = {"stepped": False, "scale_after": 0.5}
+    assert [rank["overflow"] for rank in through_a_step] == [{"zero3": skipped, "zero2": skipped}] * 2
+
+
+def test_a_frozen_parameter_computes_in_bf16_and_keeps_its_own_values(through_a_step):
+    expected = {"computed_in": "torch.bfloat16", "frozen_kept": True, "trained_in_fp32": True}
+    assert [rank["frozen_bf16"] for rank in through_a_step] == [expected] * 2
 
 
 def test_prefetch_gathers_as_many_units_ahead_as_its_depth(through_a_step):

@@ -86,6 +86,7 @@ def test_labs_are_shown_unrun_and_say_so_while_chapters_show_their_outputs():
 NOTES = {"000", "001", "002", "003", "004"}
 TOPICS = {"pin_memory", "DDP", "ring", "FSDP", "speed-ups", "scaling", "memory", "platforms"}
 FINDINGS = {"holds", "wrong", "holds only when", "not checked"}
+KINDS = {"measured", "tested", "derived", "predicted", "cited", "none"}
 MUST_BE_LISTED = {
     "cnn-120k-parameters": "the CNN's 120K parameters",
     "fsdp-all-reduces-gradients": "FSDP all-reducing gradients",
@@ -133,6 +134,10 @@ def _problems(claim: dict) -> list[str]:
         problems.append(f"topic {claim.get('topic')!r} not one of {sorted(TOPICS)}")
     if claim.get("finding") not in FINDINGS:
         problems.append(f"finding {claim.get('finding')!r} not one of {sorted(FINDINGS)}")
+    if claim.get("kind") not in KINDS:
+        problems.append(f"kind {claim.get('kind')!r} not one of {sorted(KINDS)}")
+    if claim.get("kind") == "none" and claim.get("finding") != "not checked":
+        problems.append("a checked finding rests on evidence of some kind, not none")
     if (claim.get("finding") == "holds only when") != bool(claim.get("when")):
         problems.append("a 'when' goes with 'holds only when', and only with it")
     if claim.get("finding") != "not checked" and not claim.get("evidence"):
@@ -161,6 +166,18 @@ def test_the_ledger_page_shows_every_topic():
     page = (BOOK / "claims.md").read_text()
     absent = sorted(topic for topic in TOPICS if f"{{glue:md}} claims-{topic}\n" not in page)
     assert not absent, f"book/claims.md shows no table for the topics {absent}"
+
+
+def test_the_ledger_says_what_kind_of_evidence_each_finding_rests_on():
+    _pages()
+    html = (SITE / "claims.html").read_text()
+    tables = re.findall(r"<table.*?</table>", html, re.S)
+    assert tables and all("<p>Kind</p></th>" in table for table in tables), "a claims table without its Kind column"
+    shown = [kind for table in tables for kind in re.findall(r"<td><p>([a-z]+)</p></td>\s*</tr>", table)]
+    order = ["pin_memory", "DDP", "ring", "FSDP", "speed-ups", "scaling", "memory", "platforms"]  # the page's
+    expected = [claim["kind"] for topic in order for claim in _claims() if claim["topic"] == topic]
+    assert shown == expected, "the Kind column does not list each claim's kind"
+    assert "predictions alone" in html
 
 
 def test_every_ledger_link_reaches_an_anchor():

@@ -65,9 +65,10 @@ def test_a_gpu_ring_costs_its_steps_and_its_bytes_over_the_bus_bandwidth():
     assert ring.time_s(size) == pytest.approx(5e-6 + 14e-6 + 2 * 7 / 8 * size / 100e9)
 
 
-def test_buckets_fill_back_to_front_and_respect_the_cap():
-    units = [[(300,), (300,)], [(300,)]]  # 1200 B each
-    assert costmodel._buckets(units, first=1300, cap=2500) == [1200, 2400]
+def test_buckets_fill_back_to_front_and_close_once_they_reach_their_cap():
+    shapes = [(300,), (300,), (300,)]  # 1200 B each
+    assert costmodel._buckets(shapes, first=1300, cap=2500) == [2400, 1200]
+    assert costmodel._buckets(shapes, first=1200, cap=1200) == [1200, 1200, 1200]
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """Bytes each rank sends per optimizer step, counted from the collectives it
-really calls, equal the derivation for every strategy: DDP 2Ψ(n-1)/n, the
-course's ZeRO-1 3Ψ(n-1)/n, ZeRO-2 back to 2Ψ(n-1)/n."""
+really calls, equal the derivation for every strategy: DDP, ZeRO-1 and ZeRO-2
+2Ψ(n-1)/n, ZeRO-3 3Ψ(n-1)/n."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -12,7 +14,9 @@ import torch.nn.functional as F
 from distlab.comm.traffic import TrafficCounter
 from distlab.models import build_model
 from distlab.parallel import BucketedDDPStrategy, NaiveDDPStrategy, TorchDDP, Zero1, Zero2, Zero3
-from distlab.predict.memory import shard_unit_shapes
+from distlab.parallel.base import MixedPrecision
+from distlab.predict.costmodel import RING_FACTOR, collective_calls
+from distlab.predict.memory import parameter_shapes, shard_unit_shapes
 from distlab.predict.traffic import expected_bytes_per_step
 from distlab.testing import run_ranks
 
@@ -20,28 +24,39 @@ VARIANTS = {
     "ddp": TorchDDP(),
     "naive_ddp": NaiveDDPStrategy(),
     "bucketed_ddp": BucketedDDPStrategy(),
-    "zero1": Zero1(),
-    "zero2": Zero2(),
+    "zero1": Zero1(collectives="torch"),
+    "zero2": Zero2(collectives="torch"),
+    "zero2_ring": Zero2(collectives="ring"),
     "zero3": Zero3(collectives="torch"),
     "zero3_ring": Zero3(collectives="ring"),  # the same bytes, sent as the ring's point-to-point messages
 }
+LOW = {  # gathered in bf16; gradients reduced in fp32 (the default), or in bf16
+    "zero3_bf16": Zero3(collectives="torch", precision=MixedPrecision(torch.bfloat16, torch.float32)),
+    "zero3_bf16_reduce": Zero3(collectives="torch", precision=MixedPrecision(torch.bfloat16)),
+}
+
+
+def second_step_counted(runtime, strategies, model_name, batch, optimizer=torch.optim.Adam) -> dict:
+    """Per strategy, what each collective sent in the second step of ``model_name`` (the first may set things up:
+    torch DDP rebuilds its buckets after it)."""
+    sent = {}
+    for name, strategy in strategies.items():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = strategy.wrap(build_model(model_name), runtime)
+        stepper = strategy.make_optimizer(model, lambda params: optimizer(params, lr=1e-3))
+        tokens = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(runtime.rank))
+        for _ in range(2):
+            with TrafficCounter(runtime.world_size) as counted:
+                F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+                stepper.step()
+                stepper.zero_grad(set_to_none=True)
+        sent[name] = counted.summary()
+    return sent
 
 
 def one_step_counted(runtime):
-    sent = {}
-    for name, strategy in VARIANTS.items():
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            model = strategy.wrap(build_model("gpt-tiny"), runtime)
-        optimizer = strategy.make_optimizer(model, lambda params: torch.optim.Adam(params, lr=1e-3))
-        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(runtime.rank))
-        for _ in range(2):  # the second step is counted: the first may set things up (DDP rebuilds buckets)
-            with TrafficCounter(runtime.world_size) as counted:
-                F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        sent[name] = counted.summary()
-    return sent
+    return second_step_counted(runtime, VARIANTS | LOW, "gpt-tiny", batch=2)
 
 
 def _padded(parameters: int, n: int) -> int:
@@ -72,13 +87,42 @@ def test_bytes_sent_per_step_equal_the_derivation(tmp_path, world_size):
             expected = _expected(VARIANTS[name].predicted_by, world_size)
             assert total == pytest.approx(expected, rel=1e-9), (name, sent[name])
     zero1, zero2, zero3 = ranks[0]["zero1"], ranks[0]["zero2"], ranks[0]["zero3"]
-    assert set(zero1) == {"all_reduce", "all_gather"} and set(zero2) == set(zero3) == {"reduce_scatter", "all_gather"}
+    assert set(zero1) == set(zero2) == set(zero3) == {"reduce_scatter", "all_gather"}
+    assert zero1 == zero2  # the same collectives: only when they run differs
+    # a 2-byte dtype halves what it moves: the gathers in bf16, and the reduce-scatter when it is bf16 too
+    for name, gather, scatter in (("zero3_bf16", 0.5, 1.0), ("zero3_bf16_reduce", 0.5, 0.5)):
+        low = ranks[0][name]
+        assert low["all_gather"]["bytes_sent"] == gather * zero3["all_gather"]["bytes_sent"], name
+        assert low["reduce_scatter"]["bytes_sent"] == scatter * zero3["reduce_scatter"]["bytes_sent"], name
     # ZeRO-3 gathers every unit twice (forward, backward) but the root once, and reduce-scatters each once
     assert (
         zero3["reduce_scatter"]["bytes_sent"]
         < zero3["all_gather"]["bytes_sent"]
         < 2 * zero3["reduce_scatter"]["bytes_sent"]
     )
+
+
+def calls_on_gpt_mini(runtime):
+    """torch DDP at its default buckets and the course's ZeRO-2 (torch's collectives), one counted step of gpt-mini."""
+    strategies = {"ddp": TorchDDP(), "zero2": Zero2(collectives="torch")}
+    return second_step_counted(runtime, strategies, "gpt-mini", batch=1, optimizer=torch.optim.SGD)
+
+
+def test_the_cost_model_lists_the_buckets_torch_ddp_and_zero2_really_reduce(tmp_path):
+    # gpt-mini's gradients fill several buckets: torch DDP's 1 MiB first one, then 25 MB ones closed once
+    # they reach the cap; ZeRO-2's 5 MB buckets, each reduce-scattered and all-gathered
+    model = build_model("gpt-mini", device="meta")
+    units, order = shard_unit_shapes(model), parameter_shapes(model)
+    counted = run_ranks(calls_on_gpt_mini, 2, tmp_path)[0]
+    for name in ("ddp", "zero2"):
+        calls = collective_calls(name, units, 2, "nccl", order=order)
+        expected = Counter(collective for collective, _, _ in calls)
+        traffic = {collective: entry for collective, entry in counted[name].items() if collective != "broadcast"}
+        got = Counter({collective: entry["calls"] for collective, entry in traffic.items()})
+        assert got == expected, (name, got, expected)
+        sent = sum(RING_FACTOR[collective](2) * size for collective, _, size in calls)
+        assert sum(entry["bytes_sent"] for entry in traffic.values()) == pytest.approx(sent), name
+    assert expected["reduce_scatter"] > 1 and counted["ddp"]["all_reduce"]["calls"] > 2
 
 
 def count_each_collective(runtime):

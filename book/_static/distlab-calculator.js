@@ -80,7 +80,7 @@
     const unitShard = (values) => ceilDiv(values, n); // FSDP2 pads each unit's dim 0 to a multiple of n
     const fsdpShard = larger * unitShard(size + 1) + (shard_units - larger) * unitShard(size);
     const largestGathered = unitShard(larger > 0 ? size + 1 : size) * n;
-    const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer padded to a multiple of n
+    const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer (one bucket) padded to a multiple of n
     const activations = Math.trunc(activations_gib * GIB);
 
     return STRATEGIES.map(({ label, stage, keepsGathered }) => {
@@ -89,7 +89,8 @@
       if (stage === 0) {
         values = [parameters, parameters, parameters, 1];
       } else if (stage < 3) {
-        values = [flatShard * n, stage === 2 ? flatShard : parameters, flatShard, 1];
+        // zero1 keeps its whole flat gradient, padding included; zero2 only its slice
+        values = [flatShard * n, stage === 2 ? flatShard : flatShard * n, flatShard, 1];
       } else {
         values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
         gathered = keepsGathered ? fsdpShard * n * perValue[0] : largestGathered * perValue[0];

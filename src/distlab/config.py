@@ -14,7 +14,6 @@ from .cli import from_flags, option, section
 from .errors import DistlabError
 from .models import GPT_PRESETS, META_INIT_FROM_PARAMETERS, MODEL_NAMES, model_input_kind
 from .parallel import STRATEGIES
-from .parallel.base import fp16_refusal
 
 
 @dataclass
@@ -86,7 +85,16 @@ class ParallelConfig:
         "auto", "override the backend: gloo also lets several ranks share one GPU"
     )
     timeout_s: float = option(300.0, "seconds a collective may wait for a peer before the run fails")
-    ddp_bucket_cap_mb: float = option(25.0, "ddp, bucketed_ddp and zero1: gradient bucket size in MB")
+    ddp_bucket_cap_mb: float = option(
+        0.0,
+        "ddp and bucketed_ddp: gradient bucket size in MB (0: torch DDP's default, 25 MB after a first bucket of "
+        "1 MB; 25 MB for bucketed_ddp)",
+    )
+    zero_bucket_cap_mb: float = option(
+        5.0,
+        "zero1, zero2: gradient bucket size in MB (ZeRO-2 holds about one bucket of whole gradients at a time, "
+        "so its size sets how far ZeRO-2's peak falls below ZeRO-1's)",
+    )
     ddp_broadcast_buffers: bool = option(
         True, "ddp: copy rank 0's buffers (BatchNorm statistics) to every rank before each forward"
     )
@@ -116,10 +124,10 @@ class ParallelConfig:
         "already overlaps (its all-gather is only issued earlier); 2 keeps two all-gathers in flight",
     )
     fsdp_param_dtype: Literal["none", "bf16", "fp16"] = option(
-        "none", "fsdp: MixedPrecisionPolicy dtype of the gathered parameters, so of forward and backward"
+        "none", "fsdp, zero3: MixedPrecisionPolicy dtype of the gathered parameters, so of forward and backward"
     )
     fsdp_reduce_dtype: Literal["fp32", "param"] = option(
-        "fp32", "fsdp with --fsdp-param-dtype: reduce-scatter gradients in fp32, or in the parameter dtype"
+        "fp32", "fsdp, zero3 with --fsdp-param-dtype: reduce-scatter gradients in fp32, or in the parameter dtype"
     )
     fsdp_cpu_offload: bool = option(
         False,
@@ -136,8 +144,8 @@ class ParallelConfig:
     )
     zero_collectives: Literal["auto", "torch", "ring"] = option(
         "auto",
-        "zero3: torch's all-gather/reduce-scatter, the course's hand-written ring, or auto (the ring on gloo, "
-        "whose reduce-scatter is a whole all-reduce underneath; torch's on NCCL)",
+        "zero1, zero2, zero3: torch's all-gather/reduce-scatter, the course's hand-written ring, or auto "
+        "(the ring on gloo, whose reduce-scatter is a whole all-reduce underneath; torch's on NCCL)",
     )
 
 
@@ -223,9 +231,6 @@ class TrainConfig:
             raise DistlabError(
                 f"--eval-batch-size must be 0 (the training batch) or more, not {self.data.eval_batch_size}"
             )
-        strategy = STRATEGIES[self.parallel.strategy]
-        if self.precision.dtype == "fp16" and strategy.fp16_scaler:
-            raise DistlabError(fp16_refusal(strategy))
         self._validate_strategy_options()
         self._validate_checkpoint_options()
         if model_input_kind(self.model.name) == "tokens":

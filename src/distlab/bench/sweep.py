@@ -27,7 +27,7 @@ from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
-from ..predict.memory import expected_state_bytes, shard_unit_shapes
+from ..predict.memory import expected_state_bytes, parameter_shapes, shard_unit_shapes
 from ..runtime import Runtime, distributed
 from . import shard_collectives
 from .harness import Progress, parse_sizes, round_robin, summarize_times
@@ -52,7 +52,7 @@ class SweepConfig(BenchConfig):
     variants: str = option(",".join(VARIANTS), "strategies to compare, comma-separated")
     batch_size: int = option(4, "sequences per rank per step")
     seq_len: int = option(64, "tokens per sequence")
-    steps: int = option(5, "timed steps per strategy and preset")
+    steps: int = option(20, "timed steps per strategy and preset")
     warmup: int = option(1, "untimed steps per strategy and preset")
     collective_sizes: str = option("64KB:64MB", "sizes of the collectives timed for the cost model")
     collective_repeats: int = option(8, "timed repetitions per collective and size")
@@ -94,12 +94,12 @@ def preset_parameters(model_name: str) -> int:
 
 def resident_bytes_per_rank(model_name: str, variants: list[str], world_size: int) -> int:
     """What building every variant of a preset at once costs one rank (the model's state bytes, the
-    calibration copy and a replicated strategy's gradient buckets): the guard against swapping."""
+    calibration copy and torch DDP's gradient buckets): the guard against swapping."""
     parameters = preset_parameters(model_name)
     total = sum(expected_state_bytes(parameters, "ddp", 1).values())  # the calibration copy
     for name in variants:
         state = expected_state_bytes(parameters, VARIANTS[name]["strategy"], world_size)
-        total += sum(state.values()) + (4 * parameters if name in ("ddp", "zero1") else 0)
+        total += sum(state.values()) + (4 * parameters if name == "ddp" else 0)  # torch DDP's buckets
     return total
 
 
@@ -141,6 +141,7 @@ def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress
         "model": model_name,
         "parameters": count_parameters(local.model),
         "units": [[list(shape) for shape in unit] for unit in units],
+        "parameter_shapes": [list(shape) for shape in parameter_shapes(local.model)],
         "tokens_per_rank": cfg.batch_size * cfg.seq_len,
         "seq_len": cfg.seq_len,
         "local": {

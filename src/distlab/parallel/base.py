@@ -13,18 +13,38 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, ContextManager
 
 import torch
 import torch.nn as nn
 
 from ..errors import DistlabError
-from ..runtime import Runtime
+from ..runtime import LOW_PRECISION, Runtime
 from .checkpoint_state import PER_PARAMETER, CheckpointState
 from .init import materialize
 
 if TYPE_CHECKING:
     from ..config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2's ``MixedPrecisionPolicy``, for the course's ZeRO-3 too: ``param_dtype`` is the dtype the
+    parameters are gathered and computed in (the shards the optimizer steps keep theirs), ``reduce_dtype``
+    the one gradients are reduced in (None: ``param_dtype``'s)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> MixedPrecision:
+        """``--fsdp-param-dtype`` and ``--fsdp-reduce-dtype``: by default gradients computed in a low
+        precision are reduced in fp32, so the sum over many ranks keeps its bits."""
+        param_dtype = LOW_PRECISION.get(parallel.fsdp_param_dtype)
+        reduce_dtype = torch.float32 if param_dtype and parallel.fsdp_reduce_dtype == "fp32" else None
+        return cls(param_dtype, reduce_dtype)
+
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -42,10 +62,11 @@ class Strategy:
     configuration that sets another strategy's option is refused."""
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
+    steps_a_shard: ClassVar[bool] = False
+    """True when each rank's optimizer steps only its slice of the gradients (ZeRO-1 and up), so a check
+    for inf or NaN must agree across ranks."""
     min_world_size: ClassVar[int] = 1
     max_world_size: ClassVar[int | None] = None
-    fp16_scaler: ClassVar[str | None] = None
-    """Why fp16's loss scaler cannot work with this strategy (None: it can); ``validate()`` refuses it early."""
     checkpoint_layout: ClassVar[str] = PER_PARAMETER
     """How this strategy's checkpoint is laid out; strategies with the same layout load each other's."""
 
@@ -101,9 +122,7 @@ class Strategy:
     def grad_scaler(self, enabled: bool, device: torch.device) -> torch.amp.GradScaler:
         """fp16's loss scaler. Where each rank holds only a slice of the gradients, an inf in one rank's
         slice must skip the step on every rank: torch's ShardedGradScaler all-reduces what each found."""
-        if enabled and self.fp16_scaler:
-            raise DistlabError(fp16_refusal(type(self)))
-        if self.shards_parameters:
+        if self.shards_parameters or self.steps_a_shard:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             return ShardedGradScaler(device.type, enabled=enabled)
@@ -137,11 +156,3 @@ def _unique(tensors) -> list[torch.Tensor]:
             seen.add(id(local))
             out.append(local)
     return out
-
-
-def fp16_refusal(strategy: type[Strategy]) -> str:
-    """The one line that refuses ``--precision fp16`` for a strategy that cannot scale its loss."""
-    return (
-        f"--precision fp16 needs a gradient scaler, which {strategy.name} does not support yet "
-        f"({strategy.fp16_scaler}): use bf16 or fp32"
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .mini_ddp import DataParallelWrapper
@@ -60,19 +60,3 @@ class CheckpointState:
         set_state_dict(
             unwrap(self.model), self.optimizer, model_state_dict=self.tensors["model"], optim_state_dict=optimizer_state
         )
-
-
-class FlatOptimizerState(CheckpointState):
-    """ZeRO-1 and ZeRO-2: the model's state dict by name, and the sharded optimizer's slice of one flat
-    vector (DTensor pieces, so a different number of ranks reads its own slices)."""
-
-    def __init__(self, model: nn.Module, optimizer, device_type: str):
-        self.model, self.optimizer = model, optimizer
-        initialize_optimizer_state(optimizer.inner)
-        self.tensors = {
-            "model": get_model_state_dict(unwrap(model)),
-            "optimizer": optimizer.sharded_state_dict(device_type),
-        }
-
-    def apply(self) -> None:
-        """Loaded in place: nothing left to do."""

@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..comm.collectives import ring_all_gather, ring_reduce_scatter
+from ..errors import DistlabError
+
 
 class FlatParams:
     """How a list of tensors maps onto one padded flat buffer, and which slice this rank owns."""
@@ -60,10 +63,20 @@ class FlatParams:
             values.detach()[:valid], mesh, [Shard(0)], run_check=False, shape=(self.numel,), stride=(1,)
         )
 
+    def shard_state_as_dtensors(self, key: str, state: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict:
+        """An optimizer's state for this rank's slice, each entry keyed ``key.name``: a per-value tensor
+        (Adam's moments) as its DTensor piece (:meth:`shard_as_dtensor`), a scalar (Adam's step) as is."""
+        return {
+            f"{key}.{name}": self.shard_as_dtensor(value, mesh)
+            if value.dim() == 1 and value.numel() == self.shard_numel
+            else value
+            for name, value in state.items()
+        }
+
 
 def segment_owners_mesh(device_type: str, owners: list[int]) -> DeviceMesh:
     """A one-dimensional mesh whose entry ``i`` is the rank that holds segment ``i``
-    (``range(N)`` for ZeRO-1/2; the ring's ZeRO-3 shifts it by one), so each rank's
+    (``range(N)`` with torch's collectives; the ring's shifts it by one), so each rank's
     ``Shard(0)`` offset is where its slice sits. Only offsets are read from it:
     it creates no process group."""
     return DeviceMesh(device_type, owners, _init_backend=False)
@@ -84,16 +97,79 @@ def all_gather_flat(shard: torch.Tensor, padded_numel: int, group=None) -> torch
     return out
 
 
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group=None) -> None:
-    """Every rank's equal shard into ``out``, in rank order (``shard`` must not live inside ``out``)."""
-    _single_tensor_collectives()[0](out, shard.contiguous(), group=group)
-
-
 def reduce_scatter_flat(flat: torch.Tensor, shard_numel: int, group=None) -> torch.Tensor:
     """The sum over ranks of this rank's slice of ``flat`` (equal slices in rank order)."""
     out = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
     _single_tensor_collectives()[1](out, flat, group=group)
     return out
+
+
+class TorchCollectives:
+    """torch's equal-shard collectives: rank ``r`` owns segment ``r`` of the flat buffer."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def owned_segment(self, rank: int, world_size: int) -> int:
+        return rank
+
+    def owners_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """The mesh whose entry ``i`` is the rank that owns segment ``i`` (:func:`segment_owners_mesh`)."""
+        owners = [0] * world_size
+        for rank in range(world_size):
+            owners[self.owned_segment(rank, world_size)] = rank
+        return segment_owners_mesh(device_type, owners)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, owned: slice, async_op: bool = False):
+        """Every rank's shard into ``full``; with ``async_op``, the work to wait on."""
+        # Straight into the unit's buffer, and asynchronously for a prefetch: all_gather_flat does neither.
+        all_gather_single = _single_tensor_collectives()[0]
+        return all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, flat: torch.Tensor, owned: slice) -> torch.Tensor:
+        """The sum over ranks of this rank's segment of ``flat``."""
+        return reduce_scatter_flat(flat, owned.stop - owned.start, self.group)
+
+    def start_reduce_scatter(self, flat: torch.Tensor, owned: slice) -> tuple[torch.Tensor, object]:
+        """:meth:`reduce_scatter`, started: the segment it will hold, and the work to wait on."""
+        out = torch.empty(owned.stop - owned.start, dtype=flat.dtype, device=flat.device)
+        return out, _single_tensor_collectives()[1](out, flat, group=self.group, async_op=True)
+
+
+class RingCollectives(TorchCollectives):
+    """The ring chapter's hand-written collectives (all-reduce = reduce-scatter +
+    all-gather). Its reduce-scatter leaves rank ``r`` the sum of segment
+    ``(r+1) % n`` and its all-gather starts from that segment; the flat buffer's
+    length is a multiple of ``n``, so the ring's segments are the equal shards
+    and rank ``r`` simply owns segment ``(r+1) % n`` in both directions."""
+
+    def owned_segment(self, rank: int, world_size: int) -> int:
+        return (rank + 1) % world_size
+
+    def all_gather(self, full, shard, owned, async_op=False):
+        full[owned].copy_(shard)
+        ring_all_gather(full, self.group)
+        return None  # blocking point-to-point messages: a prefetch only moves the gather earlier
+
+    def reduce_scatter(self, flat, owned):
+        return ring_reduce_scatter(flat, self.group).clone()  # segment (rank+1) % n; the rest are partial sums
+
+    def start_reduce_scatter(self, flat, owned):
+        return self.reduce_scatter(flat, owned), None  # blocking point-to-point messages
+
+
+COLLECTIVES = {"torch": TorchCollectives, "ring": RingCollectives}
+
+
+def resolve_collectives(name: str, backend: str) -> str:
+    """``"torch"``, ``"ring"``, or for ``"auto"`` the ring on gloo, whose reduce-scatter runs a whole
+    all-reduce underneath (so it costs what DDP's all-reduce does, and the all-gather comes on top), and
+    torch's elsewhere (NCCL's reduce-scatter is a real one)."""
+    if name not in {"auto", *COLLECTIVES}:
+        raise DistlabError(f"unknown collectives {name!r}: use auto, {' or '.join(COLLECTIVES)}")
+    if name == "auto":
+        return "ring" if backend == "gloo" else "torch"
+    return name
 
 
 def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:

@@ -13,8 +13,7 @@ import torch.nn as nn
 
 from ..errors import DistlabError
 from ..models import require_shard_units
-from ..runtime import LOW_PRECISION
-from .base import Strategy
+from .base import MixedPrecision, Strategy
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -67,14 +66,11 @@ class FSDP2(Strategy):
 
     @classmethod
     def from_config(cls, parallel):
-        param_dtype = LOW_PRECISION.get(parallel.fsdp_param_dtype)
-        # By default gradients are reduced in fp32 even when computed in low precision:
-        # the sum over many ranks keeps its bits.
-        reduce_dtype = torch.float32 if param_dtype and parallel.fsdp_reduce_dtype == "fp32" else None
+        precision = MixedPrecision.from_config(parallel)
         return cls(
             parallel.fsdp_reshard_to or parallel.fsdp_reshard_after_forward,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
+            param_dtype=precision.param_dtype,
+            reduce_dtype=precision.reduce_dtype,
             prefetch=parallel.fsdp_prefetch,
             prefetch_depth=parallel.fsdp_prefetch_depth,
             cpu_offload=parallel.fsdp_cpu_offload,

@@ -166,19 +166,23 @@ class _Bucket:
         self.work = None
 
 
-def make_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
-    """Reverse registration order, a new bucket whenever the cap would be passed."""
-    buckets, current, size = [], [], 0
+def bucket_groups(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """The parameters of each bucket: reverse registration order (roughly the order backward produces
+    their gradients), a new bucket whenever the cap would be passed or the dtype changes."""
+    groups, current, size = [], [], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         if current and (size + nbytes > cap_bytes or p.dtype != current[0].dtype):
-            buckets.append(_Bucket(current))
+            groups.append(current)
             current, size = [], 0
         current.append(p)
         size += nbytes
-    if current:
-        buckets.append(_Bucket(current))
-    return buckets
+    return groups + ([current] if current else [])
+
+
+def make_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[_Bucket]:
+    """One all-reduce buffer per bucket of :func:`bucket_groups`."""
+    return [_Bucket(group) for group in bucket_groups(params, cap_bytes)]
 
 
 class BucketedDDP(DataParallelWrapper):

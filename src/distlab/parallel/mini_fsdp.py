@@ -34,76 +34,43 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..comm.collectives import ring_all_gather, ring_reduce_scatter
 from ..errors import DistlabError
 from ..models import require_shard_units
-from .base import Strategy, _state_values, _unique
+from .base import MixedPrecision, Strategy, _state_values, _unique
 from .checkpoint_state import FLAT, CheckpointState, initialize_optimizer_state
 from .flat_param import (
+    COLLECTIVES,
     FlatParams,
-    _single_tensor_collectives,
+    TorchCollectives,
     clip_sharded_grad_norm_,
-    reduce_scatter_flat,
-    segment_owners_mesh,
+    resolve_collectives,
 )
 from .init import init_module_whole, tied_parameters
 from .mini_ddp import DataParallelWrapper
-
-
-class TorchCollectives:
-    """torch's equal-shard collectives: rank ``r`` owns segment ``r`` of the flat buffer."""
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def owned_segment(self, rank: int, world_size: int) -> int:
-        return rank
-
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, owned: slice, async_op: bool = False):
-        """Every rank's shard into ``full``; with ``async_op``, the work to wait on."""
-        # Straight into the unit's buffer, and asynchronously for a prefetch: all_gather_flat does neither.
-        all_gather_single = _single_tensor_collectives()[0]
-        return all_gather_single(full, shard, group=self.group, async_op=async_op)
-
-    def reduce_scatter(self, flat: torch.Tensor, owned: slice) -> torch.Tensor:
-        """The sum over ranks of this rank's segment of ``flat``."""
-        return reduce_scatter_flat(flat, owned.stop - owned.start, self.group)
-
-
-class RingCollectives(TorchCollectives):
-    """The ring chapter's hand-written collectives (all-reduce = reduce-scatter +
-    all-gather). Its reduce-scatter leaves rank ``r`` the sum of segment
-    ``(r+1) % n`` and its all-gather starts from that segment; the flat buffer's
-    length is a multiple of ``n``, so the ring's segments are the equal shards
-    and rank ``r`` simply owns segment ``(r+1) % n`` in both directions."""
-
-    def owned_segment(self, rank: int, world_size: int) -> int:
-        return (rank + 1) % world_size
-
-    def all_gather(self, full, shard, owned, async_op=False):
-        full[owned].copy_(shard)
-        ring_all_gather(full, self.group)
-        return None  # blocking point-to-point messages: a prefetch only moves the gather earlier
-
-    def reduce_scatter(self, flat, owned):
-        return ring_reduce_scatter(flat, self.group).clone()  # segment (rank+1) % n; the rest are partial sums
-
-
-COLLECTIVES = {"torch": TorchCollectives, "ring": RingCollectives}
 
 
 class ShardedUnit:
     """One shard unit's trainable parameters: a padded flat buffer that is whole
     only while the unit computes, and this rank's permanent slice of it."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], collectives: TorchCollectives, group=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        collectives: TorchCollectives,
+        group=None,
+        precision: MixedPrecision = MixedPrecision(),
+    ):
         if len({p.dtype for p in params}) > 1:
             raise DistlabError(f"zero3 flattens each unit into one buffer, but {type(module).__name__} mixes dtypes")
         self.module, self.collectives = module, collectives
         self.world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = FlatParams(params, self.world_size, collectives.owned_segment(rank, self.world_size))
-        self.full = self.layout.flatten([p.detach() for p in params])
-        self.shard = nn.Parameter(self.full[self.layout.shard].clone())
+        whole = self.layout.flatten([p.detach() for p in params])
+        self.shard = nn.Parameter(whole[self.layout.shard].clone())  # the values the optimizer steps, kept as built
+        # The gathered buffer is in the dtype the unit computes in; gradients arrive in it too
+        self.full = whole.to(precision.param_dtype or whole.dtype)
+        self.reduce_dtype = precision.reduce_dtype or self.full.dtype
         for param, view in zip(params, self.layout.views(self.full)):
             param.data = view  # from now on the module computes with views of the gathered buffer
         self.full_bytes = self.full.untyped_storage().nbytes()
@@ -120,7 +87,8 @@ class ShardedUnit:
         With ``async_op`` (a prefetch), return at once: the next plain gather waits for it."""
         if not self.is_gathered:
             self.full.untyped_storage().resize_(self.full_bytes)
-            self.pending = self.collectives.all_gather(self.full, self.shard.detach(), self.layout.shard, async_op)
+            shard = self.shard.detach().to(self.full.dtype)  # the low-precision copy is what travels
+            self.pending = self.collectives.all_gather(self.full, shard, self.layout.shard, async_op)
         if not async_op:
             self.wait()
 
@@ -128,6 +96,12 @@ class ShardedUnit:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+
+    def gather_stepped_values(self) -> torch.Tensor:
+        """A new buffer with every rank's slice in the dtype the optimizer steps (a collective)."""
+        whole = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)
+        self.collectives.all_gather(whole, self.shard.detach(), self.layout.shard)
+        return whole
 
     def free(self) -> None:
         """Give back the whole parameters' memory (after any all-gather still writing into it)."""
@@ -145,9 +119,9 @@ class ShardedUnit:
             self.free()
 
     def reduce_scatter_gradients(self) -> None:
-        flat = self.layout.flatten([p.grad for p in self.layout.params])
+        flat = self.layout.flatten([p.grad for p in self.layout.params]).to(self.reduce_dtype)
         flat.div_(self.world_size)  # average before summing: no overflow in low precision
-        reduced = self.collectives.reduce_scatter(flat, self.layout.shard)
+        reduced = self.collectives.reduce_scatter(flat, self.layout.shard).to(self.shard.dtype)
         if self.shard.grad is None:
             self.shard.grad = reduced
         else:
@@ -183,9 +157,11 @@ class ShardedParameters(DataParallelWrapper):
         prefetch: int = 0,
         collectives: str = "torch",
         group=None,
+        precision: MixedPrecision = MixedPrecision(),
     ):
         super().__init__(module, group)  # broadcasts rank 0's weights; gradient hooks call _gradient_ready
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.reshard_after_forward, self.prefetch, self.precision = reshard_after_forward, prefetch, precision
+        self.frozen_masters: dict[int, torch.Tensor] = {}  # frozen parameters' own values, under param_dtype
         self._collectives, self._unit_modules = COLLECTIVES[collectives](group), units
         if not any(p.is_meta for p in module.parameters()):
             self._install(self._shard(units, self._collectives))
@@ -199,6 +175,11 @@ class ShardedParameters(DataParallelWrapper):
         self.forward_order = [self.root, *self.units] if self.root else self.units
         self.backward_order = [self.root, *self.units[::-1]] if self.root else self.units[::-1]
         self.unit_of = {p: unit for unit in sharded for p in unit.layout.params}
+        if self.precision.param_dtype is not None:  # frozen parameters compute in it too; their values stay
+            for p in self.module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    self.frozen_masters[id(p)] = p.data
+                    p.data = p.data.to(self.precision.param_dtype)
         for unit in sharded:
             unit.module.register_forward_pre_hook(partial(self._before_forward, unit))
             unit.module.register_forward_hook(partial(self._after_forward, unit))
@@ -217,7 +198,7 @@ class ShardedParameters(DataParallelWrapper):
             )
         params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
         claimed.update(id(p) for p in params)
-        return [ShardedUnit(module, params, collectives, self.group)] if params else []
+        return [ShardedUnit(module, params, collectives, self.group, self.precision)] if params else []
 
     def materialize(self, device: torch.device, seed: int) -> ShardedParameters:
         """Initialise a model wrapped on ``meta`` (see :func:`distlab.parallel.init.materialize`): module by module,
@@ -249,9 +230,21 @@ class ShardedParameters(DataParallelWrapper):
         """What this rank stores of the trainable model, and what its optimizer steps."""
         return [unit.shard for unit in self.forward_order]
 
-    def _before_forward(self, unit: ShardedUnit, module, args) -> None:
+    def forward(self, *args, **kwargs):
+        return self.module(*self._cast(args), **self._cast(kwargs))
+
+    def _cast(self, inputs):
+        """Floating-point inputs in the dtype the units compute in, as FSDP2's ``cast_forward_inputs`` does."""
+        dtype = self.precision.param_dtype
+        if dtype is None:
+            return inputs
+        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        return {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(cast, inputs))
+
+    def _before_forward(self, unit: ShardedUnit, module, args):
         unit.gather()
         self._prefetch_after(unit, self.forward_order)
+        return self._cast(args)
 
     def _after_forward(self, unit: ShardedUnit, module, args, output) -> None:
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
@@ -297,15 +290,24 @@ class ShardedParameters(DataParallelWrapper):
         ``{}`` elsewhere). Gathers one unit at a time: a collective, every rank must call it."""
         keep = not rank0_only or dist.get_rank(self.group) == 0
         copies = {}
-        for unit in self.forward_order:  # one unit whole at a time
-            unit.gather()
+        for unit in self.forward_order:  # one unit whole at a time, in the dtype the optimizer steps
+            whole = unit.gather_stepped_values()
             if keep:
-                copies.update({id(p): p.detach().cpu().clone() for p in unit.layout.params})
-            unit.free()
+                copies.update({id(p): v.cpu().clone() for p, v in zip(unit.layout.params, unit.layout.views(whole))})
         if not keep:
             return {}
         tensors = self.module.state_dict(keep_vars=True)  # frozen parameters and buffers are whole already
-        return {key: copies[id(t)] if id(t) in copies else t.detach().cpu().clone() for key, t in tensors.items()}
+        return {key: copies.get(id(t), self.stored(t)).detach().cpu().clone() for key, t in tensors.items()}
+
+    def stored(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A frozen parameter's or buffer's own values (not its low-precision copy for compute)."""
+        return self.frozen_masters.get(id(tensor), tensor)
+
+    def refresh_frozen(self) -> None:
+        """After the frozen parameters' own values were loaded: their copies for compute follow."""
+        for p in self.module.parameters():
+            if id(p) in self.frozen_masters:
+                p.data.copy_(self.frozen_masters[id(p)])
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -327,26 +329,43 @@ class Zero3(Strategy):
 
     name: ClassVar[str] = "zero3"
     predicted_by: str = "zero3"
-    options: ClassVar[tuple[str, ...]] = ("fsdp_reshard_after_forward", "zero3_prefetch", "zero_collectives")
+    options: ClassVar[tuple[str, ...]] = (
+        "fsdp_reshard_after_forward",
+        "zero3_prefetch",
+        "zero_collectives",
+        "fsdp_param_dtype",
+        "fsdp_reduce_dtype",
+    )
     shards_parameters: ClassVar[bool] = True
     checkpoint_layout: ClassVar[str] = FLAT
 
-    def __init__(self, reshard_after_forward: bool = True, prefetch: int = 0, collectives: str = "auto"):
-        if collectives not in {"auto", *COLLECTIVES}:
-            raise DistlabError(f"zero3: unknown collectives {collectives!r}: use auto, {' or '.join(COLLECTIVES)}")
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        prefetch: int = 0,
+        collectives: str = "auto",
+        precision: MixedPrecision = MixedPrecision(),
+    ):
+        resolve_collectives(collectives, "gloo")  # refuses an unknown name here, before any rank starts
         self.reshard_after_forward, self.prefetch, self.collectives = reshard_after_forward, prefetch, collectives
+        self.precision = precision
         self.predicted_by = "zero3" if reshard_after_forward else "zero3-no-reshard"
 
     @classmethod
     def from_config(cls, parallel):
-        return cls(parallel.fsdp_reshard_after_forward, parallel.zero3_prefetch, parallel.zero_collectives)
+        return cls(
+            parallel.fsdp_reshard_after_forward,
+            parallel.zero3_prefetch,
+            parallel.zero_collectives,
+            MixedPrecision.from_config(parallel),
+        )
 
     def wrap(self, model, runtime):
         units = require_shard_units(model, self.name)
-        collectives = self.collectives
-        if collectives == "auto":
-            collectives = "ring" if runtime.backend == "gloo" else "torch"
-        return ShardedParameters(model, units, self.reshard_after_forward, self.prefetch, collectives)
+        collectives = resolve_collectives(self.collectives, runtime.backend)
+        return ShardedParameters(
+            model, units, self.reshard_after_forward, self.prefetch, collectives, precision=self.precision
+        )
 
     def no_sync(self, model):
         return model.no_sync()
@@ -389,20 +408,16 @@ class FlatState(CheckpointState):
         names = {id(module): name for name, module in model.module.named_modules()}
         model_part, optimizer_part, sharded = {}, {}, set()
         for unit in model.forward_order:
-            owners = [0] * world  # owners[segment] = rank: the ring keeps segment (r+1) % N on rank r
-            for rank in range(world):
-                owners[unit.collectives.owned_segment(rank, world)] = rank
-            mesh = segment_owners_mesh(device_type, owners)
+            mesh = unit.collectives.owners_mesh(device_type, world)  # the ring keeps segment (r+1) % N on rank r
             key = f"unit.{names[id(unit.module)] or 'root'}"
             model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
-            for name, value in optimizer.state[unit.shard].items():
-                whole_slice = value.dim() == 1 and value.numel() == unit.layout.shard_numel
-                optimizer_part[f"{key}.{name}"] = unit.layout.shard_as_dtensor(value, mesh) if whole_slice else value
+            optimizer_part |= unit.layout.shard_state_as_dtensors(key, optimizer.state[unit.shard], mesh)
             sharded.update(id(p) for p in unit.layout.params)
         for key, tensor in model.module.state_dict(keep_vars=True).items():
             if id(tensor) not in sharded:
-                model_part[key] = tensor.detach()
+                model_part[key] = model.stored(tensor).detach()
         self.tensors = {"model": model_part, "optimizer": optimizer_part}
 
     def apply(self) -> None:
-        """Loaded in place: nothing left to do."""
+        """Loaded in place; frozen parameters' copies for compute follow their loaded values."""
+        self.model.refresh_frozen()

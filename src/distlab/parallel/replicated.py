@@ -37,8 +37,8 @@ class TorchDDP(Replicated):
     name: ClassVar[str] = "ddp"
     options: ClassVar[tuple[str, ...]] = ("ddp_bucket_cap_mb", "ddp_broadcast_buffers")
 
-    def __init__(self, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
-        self.bucket_cap_mb = bucket_cap_mb
+    def __init__(self, bucket_cap_mb: float | None = None, broadcast_buffers: bool = True):
+        self.bucket_cap_mb = bucket_cap_mb or None  # None: torch's default, whose first bucket is 1 MiB
         self.broadcast_buffers = broadcast_buffers
 
     @classmethod
@@ -76,7 +76,7 @@ class BucketedDDPStrategy(Replicated):
     options: ClassVar[tuple[str, ...]] = ("ddp_bucket_cap_mb",)
 
     def __init__(self, bucket_cap_mb: float = 25.0):
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = bucket_cap_mb or 25.0
 
     @classmethod
     def from_config(cls, parallel):

@@ -75,7 +75,7 @@ def _row(
     strategy = STRATEGIES[label]
     units = equal_units(parameters, shard_units)
     parameter_bytes = BYTES_PER_VALUE[optimizer, precision][0]
-    sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2 cut one flat buffer
+    sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2: one flat buffer per 5 MB bucket
     state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
     gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
     total = state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations

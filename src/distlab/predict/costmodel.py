@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..models import GPT_PRESETS
-from .memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
+from .memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes, gradient_buckets
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 BUCKET_BYTES = 25 << 20  # torch DDP's and the course's default bucket cap
@@ -163,36 +163,43 @@ def _flat_bytes(shapes: Sequence[Shape], n: int, per_parameter_padding: bool, by
     return -(-sum(math.prod(s) for s in shapes) // n) * n * bytes_per_value
 
 
-def _buckets(units: Sequence[Sequence[Shape]], first: int, cap: int, bytes_per_value: int = 4) -> list[int]:
-    """Bucket sizes, filled in reverse parameter order (gradients become ready back to front)."""
-    sizes = [math.prod(s) * bytes_per_value for unit in units for s in unit]
+def _buckets(shapes: Sequence[Shape], first: int, cap: int, bytes_per_value: int = 4) -> list[int]:
+    """torch DDP's bucket sizes: filled in reverse registration order (gradients become ready back to
+    front), each closed once it reaches its limit, ``first`` for the first bucket and ``cap`` after it
+    (torch's reducer, ``compute_bucket_assignment_by_size``)."""
     buckets, current, limit = [], 0, first
-    for size in reversed(sizes):
-        if current and current + size > limit:
+    for shape in reversed(shapes):
+        current += math.prod(shape) * bytes_per_value
+        if current >= limit:
             buckets.append(current)
             current, limit = 0, cap
-        current += size
     return buckets + ([current] if current else [])
 
 
 def collective_calls(
-    variant: str, units: Sequence[Sequence[Shape]], n: int, backend: str, bytes_per_value: int = 4
+    variant: str,
+    units: Sequence[Sequence[Shape]],
+    n: int,
+    backend: str,
+    bytes_per_value: int = 4,
+    order: Sequence[Shape] | None = None,
 ) -> list[tuple[str, str, int]]:
     """(collective, implementation, bytes) of every collective one step of ``variant`` issues on ``n``
-    ranks: ``units`` are the trainable parameters' shapes by shard unit, the root's last.
-    The course's ZeRO-3 uses its ring on gloo and torch's collectives elsewhere."""
+    ranks: ``units`` are the trainable parameters' shapes by shard unit, the root's last; ``order`` the
+    same shapes in the order the model registers them (:func:`distlab.predict.memory.parameter_shapes`),
+    which sets the buckets of DDP (torch's, with its default ``bucket_cap_mb``: a first bucket of 1 MiB,
+    then 25 MiB) and of the course's ZeRO-1/2 (without it, the units' order). The course's ZeRO stages
+    use its ring on gloo and torch's collectives elsewhere."""
     if n == 1:
         return []
     b = bytes_per_value
-    padded = _flat_bytes([s for unit in units for s in unit], n, False, b)
+    shapes = list(order) if order is not None else [s for unit in units for s in unit]
     if variant == "ddp":
-        return [("all_reduce", "torch", b) for b in _buckets(units, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, b)]
-    if variant == "zero1":
-        return [("all_reduce", "torch", b) for b in _buckets(units, BUCKET_BYTES, BUCKET_BYTES, b)] + [
-            ("all_gather", "torch", padded)
-        ]
-    if variant == "zero2":
-        return [("reduce_scatter", "torch", padded), ("all_gather", "torch", padded)]
+        return [("all_reduce", "torch", b) for b in _buckets(shapes, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, b)]
+    if variant in ("zero1", "zero2"):  # one reduce-scatter per bucket, then one all-gather per bucket
+        impl = "ring" if backend == "gloo" else "torch"
+        sizes = [_flat_bytes(bucket, n, False, b) for bucket in gradient_buckets(shapes)]
+        return [("reduce_scatter", impl, size) for size in sizes] + [("all_gather", impl, size) for size in sizes]
     if variant in ("zero3", "zero3-no-reshard", "fsdp", "fsdp-no-reshard"):
         fsdp = variant.startswith("fsdp")
         impl = "torch" if fsdp or backend != "gloo" else "ring"
@@ -223,11 +230,13 @@ def predict_step_s(
     collectives: dict[tuple[str, str], CollectiveModel],
     backend: str = "gloo",
     overlap: float = 0.0,
+    order: Sequence[Shape] | None = None,
 ) -> dict[str, float]:
     """The parts of one step's time on one rank. ``overlap``: the share of the communication of all
-    but the last collective that hides behind backward (0 on a CPU: the same cores do both)."""
+    but the last collective that hides behind backward (0 on a CPU: the same cores do both); ``order``
+    as for :func:`collective_calls`."""
     parameters = sum(math.prod(s) for unit in units for s in unit)
-    calls = collective_calls(variant, units, n, backend)
+    calls = collective_calls(variant, units, n, backend, order=order)
     times = [collectives[collective, impl].time_s(size) for collective, impl, size in calls]
     flops_s = compute.compute_s(training_flops(model, tokens, seq_len))
     hidden = min(overlap * sum(times[:-1]), 2 / 3 * flops_s)  # backward is about 2/3 of the FLOPs
@@ -248,36 +257,37 @@ def predict_peak_bytes(
     precision: str = "fp32",
 ) -> dict[str, int]:
     """The most one rank holds during a step with Adam: the largest of the moments below, on top of
-    the state it keeps all along (its parameters and optimizer state, and, where gradients are
-    all-reduced whole, DDP's buckets: torch DDP's and the course's ZeRO-1's).
+    the state it keeps all along (its parameters and optimizer state, torch DDP's buckets, ZeRO-1's flat
+    gradients).
 
     * start of backward: every activation (``activations``, their high-water mark, measured once for
-      the model and batch), the units still gathered, and one unit's worth more: the gradient a
-      sharding strategy is flattening to reduce-scatter, or FSDP2's all-gather buffer;
-    * during backward, where gradients come whole (ddp, zero1): ``backward_extra``, the gradients and
-      activations alive together at that moment, measured once with no communication at all;
-    * end of backward (the course's ZeRO-2): whole gradients, their flat copy and gloo's reduce-scatter
-      buffer, three times the gradients' size;
-    * the optimizer step: the gradients it steps; the course's ZeRO-1 also holds a flat copy of the whole
-      gradient and its own slice. (torch's Adam allocates nothing of the model's size here.)"""
+      the model and batch), the units still gathered, and what a sharding strategy is reducing: ZeRO-2's
+      one bucket of whole gradients, or ZeRO-3's and FSDP2's one unit's gradient or all-gather buffer;
+    * during backward, where gradients pile up whole beside DDP's buckets: ``backward_extra``, the
+      gradients and activations alive together at that moment, measured once with no communication at all
+      (ZeRO-1 copies each gradient into its kept flat buffer as it arrives: nothing piles up);
+    * the optimizer step: the gradients it steps. (torch's Adam allocates nothing of the model's size here.)"""
     parameters = sum(math.prod(s) for unit in units for s in unit)
     strategy = variant.removesuffix("-no-reshard")
     value_bytes = BYTES_PER_VALUE["adam", precision][1]
     state = expected_state_bytes(parameters, variant, n, "adam", precision, units)
     whole_gradients = parameters * value_bytes
-    buckets = whole_gradients if variant in ("ddp", "zero1") else 0  # allocated on one rank too
+    # torch DDP's buckets (allocated on one rank too), beside the gradients; ZeRO-1's flat gradients, instead
+    buckets = whole_gradients if variant == "ddp" else state["gradients"] if variant == "zero1" else 0
     sharded_units = [u for u in units if u]
     gathered = expected_gathered_bytes(variant, n, sharded_units, value_bytes)
-    largest_unit = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in sharded_units[:-1]), default=0)
-    in_flight = largest_unit if strategy in ("zero3", "fsdp") else 0
+    if strategy == "zero2":
+        bucket = max(_flat_bytes(b, n, False, value_bytes) for b in gradient_buckets([s for u in units for s in u]))
+        in_flight = bucket  # allocated at its first gradient; its slice comes once activations have gone
+    elif strategy in ("zero3", "fsdp"):
+        in_flight = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in sharded_units[:-1]), default=0)
+    else:
+        in_flight = 0
     kept = state["parameters"] + state["optimizer_state"] + buckets
     moments = {
         "start_of_backward": kept + gathered + activations + in_flight,
-        "backward": kept + backward_extra if strategy in ("ddp", "zero1") else 0,
-        "end_of_backward": kept + 3 * whole_gradients if strategy == "zero2" else 0,
-        "optimizer_step": kept
-        + state["gradients"]
-        + (whole_gradients + -(-whole_gradients // n) if strategy == "zero1" else 0),
+        "backward": kept + backward_extra if strategy == "ddp" else 0,
+        "optimizer_step": kept + (state["gradients"] if strategy != "zero1" else 0),
     }
     return {"peak": max(moments.values()), **moments, **state, "gathered": gathered, "buckets": buckets}
 
@@ -303,13 +313,14 @@ def evaluate(result: dict) -> list[dict]:
     rows = []
     for preset in metrics["presets"]:
         units = [[tuple(s) for s in unit] for unit in preset["units"]]
+        order = [tuple(s) for s in preset["parameter_shapes"]] if "parameter_shapes" in preset else None
         local = max(preset["local"]["memory"]["ranks"], key=lambda rank: rank["peak"])
         activations = local["activations_peak"]
         backward_extra = local["peak"] - local["parameters"] - local["optimizer_state"]
         for row in preset["variants"]:
             step = predict_step_s(
                 row["variant"], preset["model"], preset["tokens_per_rank"], preset["seq_len"], n, units, compute,
-                collectives, backend,
+                collectives, backend, order=order,
             )  # fmt: skip
             memory = predict_peak_bytes(row["variant"], n, units, activations, backward_extra)
             measured_peak = max(rank["peak"] for rank in row["memory"]["ranks"])

@@ -23,7 +23,7 @@ from functools import cache
 from ..models import GPT_PRESETS, build_model
 from .costmodel import CollectiveModel, collective_calls, predict_peak_bytes, stepped_values, training_flops
 from .gpu_specs import SYSTEMS, System
-from .memory import shard_unit_shapes
+from .memory import parameter_shapes, shard_unit_shapes
 
 ACTIVATIONS = (
     "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', "
@@ -37,6 +37,12 @@ VARIANTS = ("ddp", "fsdp", "fsdp-no-reshard")
 def units_of(model: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """A preset's trainable shapes by shard unit (built on meta: nothing allocated)."""
     return tuple(tuple(tuple(s) for s in unit) for unit in shard_unit_shapes(build_model(model, device="meta")))
+
+
+@cache
+def order_of(model: str) -> tuple[tuple[int, ...], ...]:
+    """A preset's trainable shapes in the order it registers them (DDP's buckets are cut in it)."""
+    return tuple(tuple(s) for s in parameter_shapes(build_model(model, device="meta")))
 
 
 def activation_bytes(model: str, tokens: int, seq_len: int) -> int:
@@ -65,7 +71,8 @@ def predict(
     compute = training_flops(model, tokens, seq_len) / (gpu.peak_flops(precision) * gpu.mfu)
     optimizer = stepped_values(variant, parameters, gpus, units) * ADAM_BYTES_PER_VALUE / gpu.memory_bandwidth
     times = []
-    for collective, _, size in collective_calls(variant, units, gpus, "nccl", bytes_per_value=wire_bytes):
+    calls = collective_calls(variant, units, gpus, "nccl", bytes_per_value=wire_bytes, order=order_of(model))
+    for collective, _, size in calls:
         bus = system.allreduce_busbw if collective == "all_reduce" else system.gather_busbw
         ring = CollectiveModel.nccl(collective, gpus, bus, system.alpha_step_s, system.alpha_base_s)
         times.append(ring.time_s(size))

@@ -26,6 +26,8 @@ H100_SHEET = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.c
               "nvidia-tensor-core-gpu-datasheet (H100 SXM column; '* With sparsity')")
 SMI_TOTALS = ("modal-labs/modal-client PR #2797 'nvidia quotes GB on their GPUs not GiB', "
               "https://github.com/modal-labs/modal-client/pull/2797: nvidia-smi totals")
+SGLANG_552 = ("sgl-project/sglang issue #552, https://github.com/sgl-project/sglang/issues/552: 'peer access is "
+              "not supported between these two devices' on a Kaggle 2xT4")
 NCCL_TUNING = ("NCCL's own cost model, src/graph/tuning.cc, https://github.com/NVIDIA/nccl/blob/"
                "b6475625fbcaa2c3c0e50eed2fa1255d7514d4a2/src/graph/tuning.cc: 'Latencies in us'; baseLat Ring/Simple "
                "8.4; hwLat Ring/Simple 3.4 (NVLink), 5.7 (PCI); a ring collective costs baseLat + nsteps * hwLat")
@@ -93,14 +95,14 @@ T4 = GPU(
     mfu=0.213,
     sources=MappingProxyType({
         "memory_bytes": f"{T4_SHEET}: 'GPU Memory 16 GB GDDR6'; nvidia-smi shows 15360MiB with ECC on ({SMI_TOTALS}).",
-        "usable_memory_bytes": f"{SMI_TOTALS}: 'T4: 15360MiB (16.11 GB)'; DESIGN.md's ~15 GiB usable on Kaggle.",
+        "usable_memory_bytes": f"{SMI_TOTALS}: 'T4: 15360MiB (16.11 GB)'.",
         "fp32_flops": f"{T4_SHEET}: 'Single-Precision 8.1 TFLOPS' (also composer's speed_monitor.py table).",
         "tf32_flops": "Not available: TF32 tensor cores arrived with Ampere; the Ampere In-Depth Table 1 lists "
                       "'Peak TF32 Tensor TFLOPS: NA' for the previous generation, and the T4 sheet lists none.",
         "fp16_flops": f"{T4_SHEET}: 'Mixed-Precision (FP16/FP32) 65 TFLOPS' (FP16 tensor cores, FP32 accumulate).",
         "bf16_flops": "Not available: Turing tensor cores do FP16, INT8, INT4 (T4 sheet: 65 TFLOPS, 130/260 TOPS); "
                       "BF16 tensor cores arrived with Ampere. torch.cuda.is_bf16_supported() may still say True: "
-                      "bf16 then runs emulated (DESIGN.md: use fp16 autocast + GradScaler on T4).",
+                      "bf16 then runs emulated, so on a T4 use fp16 autocast with a GradScaler.",
         "memory_bandwidth": f"{T4_SHEET}: '16 GB GDDR6, 300 GB/sec' (TechPowerUp's 256-bit x 10 Gbps gives 320).",
         "mfu": f"ASSUMPTION: no published training MFU for T4 was found. Taken as the lowest figure in {PALM} "
                "(GPT-3 on V100, the previous tensor-core generation): 0.213. The T4 is a 70 W card; calibrate "
@@ -167,14 +169,15 @@ KAGGLE_T4X2 = System(
     name="Kaggle 'GPU T4 x2'",
     gpu=T4,
     count=2,
-    interconnect="PCIe 3.0 x16 per GPU, no peer-to-peer between the two T4s: NCCL stages through host shared memory",
+    interconnect="PCIe 3.0 x16 per GPU, peer-to-peer between the two T4s reported missing: NCCL stages through host "
+    "shared memory",
     link_bandwidth=PCIE3_X16,
     allreduce_busbw=4.0e9,
     gather_busbw=3.8e9,
     alpha_step_s=5.7e-6,
     alpha_base_s=8.4e-6,
     sources=MappingProxyType({
-        "count": "Kaggle 'GPU T4 x2' accelerator; DESIGN.md's Kaggle section (2x T4, P2P reported unavailable).",
+        "count": f"Kaggle 'GPU T4 x2' accelerator (2x T4); peer access reported unavailable on it: {SGLANG_552}.",
         "link_bandwidth": f"{T4_SHEET}: 'System Interface x16 PCIe Gen3', 'Interconnect Bandwidth 32 GB/sec' (both "
                           "directions). PCI-SIG PCIe 3.0: 8 GT/s per lane, 128b/130b -> 15.75 GB/s per direction "
                           "for x16 (as distlab.predict.streams.pcie_GBps(3)).",

@@ -49,6 +49,12 @@ def shard_unit_shapes(model: nn.Module) -> list[list[torch.Size]]:
     return units
 
 
+def parameter_shapes(model: nn.Module) -> list[torch.Size]:
+    """Trainable parameter shapes (each parameter once) in the order the model registers them: the order
+    DDP's buckets and the course's ZeRO-1/2 buckets are cut in, from the last."""
+    return [p.shape for p in model.parameters() if p.requires_grad]
+
+
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -70,11 +76,28 @@ def _values_per_rank(strategy: str, n: int, units: Sequence[Sequence[Shape]], ra
         shard = sum(_ceil(sum(math.prod(s) for s in unit), n) for unit in units)
         return shard, shard, shard, sum(1 for unit in units if unit)
     total, stage = sum(math.prod(s) for s in shapes), STAGE[strategy]
-    shard = _ceil(total, n)  # zero1/zero2: one flat buffer over every trainable parameter, padded to a multiple of N
     if stage == 0:
         return total, total, total, len(shapes)
-    # the parameters live in that padded buffer; the optimizer steps a view of this rank's slice of it
-    return shard * n, shard if stage == 2 else total, shard, 1
+    # zero1/zero2: one flat buffer per gradient bucket, padded to a multiple of N; the parameters live in
+    # those buffers, and the optimizer steps a view of this rank's slice of each
+    buckets = gradient_buckets(shapes)
+    shard = sum(_ceil(sum(math.prod(s) for s in bucket), n) for bucket in buckets)
+    return shard * n, shard if stage == 2 else shard * n, shard, len(buckets)  # zero1 keeps its flat gradients
+
+
+def gradient_buckets(shapes: Sequence[Shape], cap_mb: float = 5.0, bytes_per_value: int = 4) -> list[list[Shape]]:
+    """The course's gradient buckets (:func:`distlab.parallel.mini_ddp.bucket_groups`) over parameter shapes
+    listed in the order the model registers them: from the last, a new bucket whenever ``cap_mb`` would be
+    passed (5 MB: the course's ZeRO-1/2 default, :data:`distlab.parallel.zero.ZERO_BUCKET_CAP_MB`)."""
+    buckets, current, size, cap = [], [], 0, int(cap_mb * 2**20)
+    for shape in reversed(shapes):
+        nbytes = math.prod(shape) * bytes_per_value
+        if current and size + nbytes > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(shape)
+        size += nbytes
+    return buckets + ([current] if current else [])
 
 
 def expected_state_bytes(
@@ -93,18 +116,19 @@ def expected_state_bytes(
     by N, zero2 also the gradients, zero3 and fsdp also the parameters. A divided value
     is ``ceil(values / N)`` of the padded buffer the implementation really cuts:
 
-    * zero1, zero2: one flat buffer over all trainable parameters;
+    * zero1, zero2: one flat buffer per gradient bucket;
     * zero3: one flat buffer per shard unit;
     * fsdp (FSDP2): each parameter on its own, dim 0 padded to a multiple of N; its
       Adam state is unpadded, this ``rank``'s own rows (rank 0 holds the most).
 
     Adam's ``step`` counters count one per tensor stepped: every parameter, but one flat
-    shard for zero1/zero2 and one per unit for zero3. ``units`` are the trainable
+    shard per bucket for zero1/zero2 and one per unit for zero3. ``units`` are the trainable
     parameters' shapes by shard unit (:func:`shard_unit_shapes`); without them the model
-    is one flat tensor of ``parameters`` values: exact for zero1/zero2, for the others
-    without per-parameter padding and with one step counter. distlab's zero1/zero2 also
-    keep the fp32 slice they step (``ShardedOptimizer.shard``, 4 bytes a value of the
-    shard), which their ``state_tensors`` does not name: a tracker counts it as other."""
+    is one flat tensor of ``parameters`` values. zero1/zero2 cut their buckets from the
+    shapes in the order given (:func:`gradient_buckets`, 5 MB each): a model under
+    1.3M parameters is one bucket, and for a larger one only shapes in the order the
+    model registers them put the bucket boundaries, a few values of padding each, exactly
+    where the implementation does."""
     units = [[(parameters,)]] if units is None else units
     if sum(math.prod(s) for unit in units for s in unit) != parameters:
         raise ValueError(f"the shapes in units hold a different number of values than parameters={parameters}")
