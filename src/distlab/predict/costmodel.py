@@ -181,34 +181,39 @@ def collective_calls(
     units: Sequence[Sequence[Shape]],
     n: int,
     backend: str,
-    bytes_per_value: int = 4,
+    reduce_bytes: int = 4,
     order: Sequence[Shape] | None = None,
+    gather_bytes: int | None = None,
 ) -> list[tuple[str, str, int]]:
     """(collective, implementation, bytes) of every collective one step of ``variant`` issues on ``n``
     ranks: ``units`` are the trainable parameters' shapes by shard unit, the root's last; ``order`` the
     same shapes in the order the model registers them (:func:`distlab.predict.memory.parameter_shapes`),
     which sets the buckets of DDP (torch's, with its default ``bucket_cap_mb``: a first bucket of 1 MiB,
     then 25 MiB) and of the course's ZeRO-1/2 (without it, the units' order). The course's ZeRO stages
-    use its ring on gloo and torch's collectives elsewhere."""
+    use its ring on gloo and torch's collectives elsewhere. Each collective carries its own dtype:
+    ``reduce_bytes`` per gradient value (all-reduce, reduce-scatter), ``gather_bytes`` per parameter value
+    (all-gather; by default the same)."""
     if n == 1:
         return []
-    b = bytes_per_value
+    r, g = reduce_bytes, gather_bytes or reduce_bytes
     shapes = list(order) if order is not None else [s for unit in units for s in unit]
     if variant == "ddp":
-        return [("all_reduce", "torch", b) for b in _buckets(shapes, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, b)]
+        return [("all_reduce", "torch", b) for b in _buckets(shapes, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, r)]
     if variant in ("zero1", "zero2"):  # one reduce-scatter per bucket, then one all-gather per bucket
         impl = "ring" if backend == "gloo" else "torch"
-        sizes = [_flat_bytes(bucket, n, False, b) for bucket in gradient_buckets(shapes)]
-        return [("reduce_scatter", impl, size) for size in sizes] + [("all_gather", impl, size) for size in sizes]
+        buckets = gradient_buckets(shapes)
+        return [("reduce_scatter", impl, _flat_bytes(bucket, n, False, r)) for bucket in buckets] + [
+            ("all_gather", impl, _flat_bytes(bucket, n, False, g)) for bucket in buckets
+        ]
     if variant in ("zero3", "zero3-no-reshard", "fsdp", "fsdp-no-reshard"):
         fsdp = variant.startswith("fsdp")
         impl = "torch" if fsdp or backend != "gloo" else "ring"
         gathers = 1 if variant.endswith("no-reshard") else 2
         calls = []
         for index, unit in enumerate(u for u in units if u):
-            size = _flat_bytes(unit, n, fsdp, b)
+            gathered, reduced = _flat_bytes(unit, n, fsdp, g), _flat_bytes(unit, n, fsdp, r)
             root = index == len([u for u in units if u]) - 1 and bool(units[-1])
-            calls += [("all_gather", impl, size)] * (1 if root else gathers) + [("reduce_scatter", impl, size)]
+            calls += [("all_gather", impl, gathered)] * (1 if root else gathers) + [("reduce_scatter", impl, reduced)]
         return calls
     raise ValueError(f"no collectives known for {variant!r}")
 

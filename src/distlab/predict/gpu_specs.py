@@ -254,3 +254,9 @@ H100X8 = System(
 )
 
 SYSTEMS = {"T4x2": KAGGLE_T4X2, "A100x2": A100X2, "H100x8": H100X8}
+
+
+def evidence(spec: GPU | System, field: str) -> str:
+    """How a page labels one input: "assumed" where its source is an ASSUMPTION (a proxy for hardware nobody
+    measured, or a figure carried over from another setting), "cited" where a public source states it."""
+    return "assumed" if "ASSUMPTION" in spec.sources[field] else "cited"
