@@ -7,6 +7,8 @@
 Each rank stores 1/N of every parameter, gradient and Adam moment. Before a unit's forward (and again before
 its backward) the ranks all-gather its parameters; after its backward they reduce-scatter its gradients, so
 each rank steps only its own shard. `--wrap ddp` replicates the model instead: the baseline to compare with.
+`--prefetch-depth 2` keeps two units' all-gathers in flight instead of FSDP2's one; `--cpu-offload` keeps the
+shards, gradients and Adam state in pinned host memory and steps Adam on the CPU.
 Rank 0 writes a JSON summary, with the environment it ran in, to --out.
 """
 
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
@@ -50,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each unit's insides in backward")
     p.add_argument("--wrap", default="fsdp", choices=["fsdp", "ddp"])
+    p.add_argument("--prefetch-depth", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="fsdp: units each one all-gathers ahead, forward and backward (0: FSDP2's own, one ahead)")
+    p.add_argument("--cpu-offload", action="store_true", help="fsdp: state in host memory, Adam on the CPU")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--out", default="fsdp_train.json")
@@ -108,9 +113,16 @@ def build(args, device: torch.device, dtype: torch.dtype):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # Gather and compute in `dtype` (half the all-gather bytes on a GPU); reduce gradients and step in fp32.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for unit in model.shard_units():  # one all-gather and one reduce-scatter per unit, overlapping others' compute
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy), parameters  # the root: the rest (embeddings, head)
+    # Pinned host memory lets the copies to and from the GPU overlap; pinning needs a GPU driver.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if args.cpu_offload else OffloadPolicy()
+    units = list(model.shard_units())
+    for unit in units:  # one all-gather and one reduce-scatter per unit, overlapping others' compute
+        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    root = fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload)  # the rest: embeddings, head
+    for index, unit in enumerate(units if args.prefetch_depth else []):  # the default already runs one unit ahead
+        unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + args.prefetch_depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, index - args.prefetch_depth) : index][::-1])
+    return root, parameters
 
 
 def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor):
@@ -179,8 +191,9 @@ def train(args, device: torch.device) -> None:
     train_set, test_set = load_data(args)
     dtype = compute_dtype(device, args.precision)
     model, parameters = build(args, device, dtype)
-    # fused: one kernel, and no temporary copy of the whole state (foreach Adam briefly makes one).
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=cuda)
+    # fused: one kernel, and no temporary copy of the whole state (foreach Adam briefly makes one). Offloaded
+    # shards are stepped where they live, on the CPU, where fused Adam is not the fast path.
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=cuda and not args.cpu_offload)
     # fp16 gradients underflow without loss scaling. Each rank sees only its shard, but the shards are DTensors,
     # whose overflow check GradScaler all-reduces: every rank skips the same steps.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -198,10 +211,11 @@ def train(args, device: torch.device) -> None:
         model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, targets
         step_loss = torch.zeros(steps, dtype=torch.float64, device=device)
+        batches = iter(loader)  # the workers start here, before the clock, as in distlab.train
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for step, (x, y) in zip(range(steps), loader):
+        for step, (x, y) in zip(range(steps), batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast:
                 losses, correct = loss_and_correct(model(x), y)

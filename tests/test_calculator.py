@@ -21,10 +21,15 @@ from distlab.predict.calculator import (
     GIB,
     OPTIMIZERS,
     PRECISIONS,
+    REDUCE_DTYPES,
     ROW_FIELDS,
     STRATEGIES,
+    Transformer,
     largest_fitting_parameters,
+    layer_activation_bytes,
     memory_per_rank,
+    transformer_from,
+    transformer_inputs,
 )
 from distlab.predict.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
 
@@ -79,8 +84,17 @@ def run_calculator_js(inputs: list[dict]) -> dict:
     return json.loads(done.stdout)
 
 
+LAYERS = [
+    None,
+    {"hidden": 4096, "heads": 32, "seq_len": 2048, "micro_batch": 1, "recompute": False},
+    {"hidden": 768, "heads": 12, "seq_len": 1024, "micro_batch": 8, "recompute": True},
+    {"hidden": 12288, "heads": 96, "seq_len": 2048, "micro_batch": 3, "recompute": False},
+]
+
+
 def _grid() -> list[dict]:
-    """Sizes from 1e6 to 7e10, odd ones included (their shards pad), on 1 to 8 GPUs, every precision and optimizer."""
+    """Sizes from 1e6 to 7e10, odd ones included (their shards pad), on 1 to 8 GPUs, every precision, optimizer
+    and reduce dtype, activations typed or counted by the formula."""
     sizes = [1_000_000, 1_234_567, 124_439_808, 7_000_000_000, 13_000_000_007, 70_000_000_000]
     memories, activations, units = [16, 40, 80], [0.0, 1.5, 0.3], [1, 32, 7]
     cases = itertools.product(sizes, range(1, 9), PRECISIONS, OPTIMIZERS)
@@ -93,9 +107,16 @@ def _grid() -> list[dict]:
             "optimizer": optimizer,
             "activations_gib": activations[index % 3],
             "shard_units": units[index % 3],
+            "reduce_dtype": list(REDUCE_DTYPES)[index % 2],
+            "transformer": LAYERS[index % len(LAYERS)],
         }
         for index, (size, gpus, precision, optimizer) in enumerate(cases)
     ]
+
+
+def _library(inputs: dict) -> dict:
+    """The page's inputs as the library takes them (its transformer a dataclass)."""
+    return inputs | {"transformer": transformer_from(inputs.get("transformer"))}
 
 
 def test_the_page_and_the_library_agree_to_the_byte():
@@ -103,7 +124,7 @@ def test_the_page_and_the_library_agree_to_the_byte():
     answer = run_calculator_js(grid)
     differ = []
     for inputs, browser_rows in zip(grid, answer["rows"], strict=True):
-        library_rows = memory_per_rank(**inputs)
+        library_rows = memory_per_rank(**_library(inputs))
         if browser_rows != library_rows:
             differ.append(f"{inputs}: library {library_rows} page {browser_rows}")
     assert not differ, f"{len(differ)} of {len(grid)} inputs differ, e.g. {differ[0]}"
@@ -127,7 +148,7 @@ def test_the_page_and_the_library_agree_on_the_largest_model_that_fits():
     answer = run_calculator_js(machines)["largest"]
     differ = []
     for inputs, page in zip(machines, answer, strict=True):
-        library = largest_fitting_parameters(**{k: v for k, v in inputs.items() if k != "parameters"})
+        library = largest_fitting_parameters(**{k: v for k, v in _library(inputs).items() if k != "parameters"})
         if page != library:
             differ.append(f"{inputs}: library {library} page {page}")
     assert not differ, f"{len(differ)} of {len(machines)} differ, e.g. {differ[0]}"
@@ -139,7 +160,8 @@ def test_the_largest_model_that_fits_is_the_threshold():
         index = list(STRATEGIES).index(label)
         assert memory_per_rank(parameters, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
         assert not memory_per_rank(parameters + 1, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
-    assert largest["DDP"] == (16 * GIB - GIB // 2 - 4) // 16  # 16 bytes a parameter and one step counter
+    assert largest["DDP, gradient_as_bucket_view"] == (16 * GIB - GIB // 2 - 4) // 16  # 16 B/param, one step counter
+    assert largest["DDP, torch's default buckets"] == (16 * GIB - GIB // 2 - 4) // 18  # and 2 B of buckets
 
 
 def _fragment_defaults() -> dict:
@@ -154,7 +176,8 @@ def _fragment_defaults() -> dict:
         "memory_gib": float(values.pop("memory_gib")),
         "activations_gib": float(values.pop("activations_gib")),
         "shard_units": int(values.pop("shard_units")),
-        **values,
+        "transformer": None if values.pop("activations_from") == "typed" else "formula",
+        **{name: values.pop(name) for name in ("precision", "optimizer", "reduce_dtype")},
     }
 
 
@@ -169,13 +192,16 @@ def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
         "optimizer": "adam",
         "activations_gib": 0.0,
         "shard_units": 32,
+        "reduce_dtype": "fp32",
+        "transformer": None,
     }
     rows = {row["strategy"]: row for row in memory_per_rank(**defaults)}
     p, half = 7_000_000_000, 3_500_000_000
     unit_whole = 2 * -(-(p // 32) // 2) * 2  # one 218,750,000-value block, padded to 2 ranks, in bf16
-    assert rows["DDP"]["total"] == 16 * p + 4  # 2 + 2 + 12 bytes a parameter, one Adam step counter
+    assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * p + 4  # 2 + 2 + 12 B/param, one Adam step counter
+    assert rows["DDP, torch's default buckets"]["total"] == 18 * p + 4  # and every 16-bit gradient again
     assert rows["ZeRO-1"]["total"] == 2 * p + 2 * p + 12 * half + 4
-    assert rows["ZeRO-2"]["total"] == 2 * p + 2 * half + 12 * half + 4
+    assert rows["ZeRO-2"]["total"] == 2 * p + 2 * half + 12 * half + 4 + 2 * (5 * 2**20 // 4)  # one bucket whole
     assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] == 16 * half + 32 * 4 + unit_whole
     assert rows["FSDP SHARD_GRAD_OP"]["total"] == 16 * half + 32 * 4 + 2 * p
     assert not any(row["fits"] for row in rows.values())
@@ -185,10 +211,45 @@ def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
 
 
 def test_memory_per_gpu_decides_fits_at_the_byte():
-    row = memory_per_rank(1_000_000, 1, 1.0, "fp32", "sgd")[0]  # DDP: 12 bytes a parameter, no step counter
+    row = memory_per_rank(1_000_000, 1, 1.0, "fp32", "sgd")[1]  # DDP: 12 bytes a parameter, no step counter
     exactly = row["total"] / GIB
-    assert memory_per_rank(1_000_000, 1, exactly, "fp32", "sgd")[0]["fits"]
-    assert not memory_per_rank(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[0]["fits"]
+    assert memory_per_rank(1_000_000, 1, exactly, "fp32", "sgd")[1]["fits"]
+    assert not memory_per_rank(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[1]["fits"]
+
+
+def test_torch_ddp_under_autocast_holds_20_bytes_a_parameter_with_adam():
+    """fp32 parameters (autocast leaves them), gradients, buckets, two moments: 4 + 4 + 4 + 8."""
+    rows = {row["strategy"]: row for row in memory_per_rank(10**9, 2, 80.0, "fp32", "adam")}
+    assert rows["DDP, torch's default buckets"]["total"] == 20 * 10**9 + 4
+    assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * 10**9 + 4
+
+
+def test_bytes_sent_are_the_rings():
+    """DDP sends 2(N-1)/N of the gradients; ZeRO-1/2 as much, half of it the gathered parameters; FULL_SHARD
+    gathers twice, SHARD_GRAD_OP once. One GPU sends nothing."""
+    p, n = 8_000_000, 4
+    sent = {row["strategy"]: row["sent"] for row in memory_per_rank(p, n, 80.0, "mixed", "adam", shard_units=8)}
+    assert sent["DDP, torch's default buckets"] == sent["DDP, gradient_as_bucket_view"] == 2 * 3 * (p // 4) * 4
+    assert sent["ZeRO-1"] == sent["ZeRO-2"] == 3 * (p // 4) * (4 + 2)  # fp32 reduce-scatter, 16-bit gather
+    assert sent["FSDP FULL_SHARD (ZeRO-3)"] == 3 * (p // 4) * (4 + 2 * 2)  # as many bytes as DDP, not 1.5x
+    assert sent["FSDP SHARD_GRAD_OP"] == 3 * (p // 4) * (4 + 2)
+    halved = memory_per_rank(p, n, 80.0, "mixed", "adam", shard_units=8, reduce_dtype="16-bit")
+    assert halved[0]["sent"] == sent["DDP, torch's default buckets"] // 2
+    assert halved[4]["sent"] == 3 * (p // 4) * 2 * 3  # in one dtype FULL_SHARD sends 1.5x DDP's bytes
+    assert all(row["sent"] == 0 for row in memory_per_rank(p, 1, 80.0))
+
+
+def test_activations_by_korthikanti_et_al():
+    """34sbh + 5as^2b bytes a layer (section 4.1), 2sbh with full recomputation, one layer per shard unit."""
+    gpt3_layer = Transformer(hidden=12288, heads=96, seq_len=2048, micro_batch=1)
+    assert layer_activation_bytes(gpt3_layer) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
+    recomputed = Transformer(hidden=12288, heads=96, seq_len=2048, micro_batch=1, recompute=True)
+    assert layer_activation_bytes(recomputed) == 2 * 2048 * 12288
+    rows = memory_per_rank(10**9, 2, 80.0, "mixed", shard_units=96, transformer=gpt3_layer)
+    assert {row["activations"] for row in rows} == {96 * layer_activation_bytes(gpt3_layer)}
+    fp32 = memory_per_rank(10**9, 2, 80.0, "fp32", shard_units=96, transformer=gpt3_layer)
+    assert fp32[0]["activations"] == 2 * rows[0]["activations"]
+    assert transformer_from(transformer_inputs(gpt3_layer)) == gpt3_layer
 
 
 @pytest.mark.parametrize(
@@ -200,11 +261,13 @@ def test_memory_per_gpu_decides_fits_at_the_byte():
         ({"precision": "bf16"}, "precision"),
         ({"optimizer": "lion"}, "optimizer"),
         ({"shard_units": 2_000_000}, "shard_units"),
+        ({"reduce_dtype": "fp8"}, "reduce"),
+        ({"transformer": {"hidden": 0, "heads": 1, "seq_len": 1, "micro_batch": 1}}, "hidden"),
     ],
 )
 def test_bad_input_is_one_line_on_both_sides(bad, says):
     inputs = {"parameters": 1_000_000, "gpus": 2, "memory_gib": 16, "precision": "fp32", "optimizer": "adam"} | bad
     with pytest.raises(ValueError, match=says) as raised:
-        memory_per_rank(**inputs)
+        memory_per_rank(**_library(inputs))
     assert "\n" not in str(raised.value)
     assert "error" in run_calculator_js([inputs])["rows"][0]

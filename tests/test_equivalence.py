@@ -199,6 +199,7 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     float32 = {
         "ddp_batch_4": _config(strategy="ddp", batch_size=4),
         "fsdp_reshard_to_2": _config(strategy="fsdp", batch_size=4, fsdp_reshard_to=2),
+        "hsdp_2x2": _config(strategy="fsdp", batch_size=4, fsdp_replicate=2),
     }
     float64 = {
         f"zero_{name}": _config(strategy=name, accum_steps=2, batch_size=4, **ZERO_ON_4)
@@ -272,6 +273,12 @@ def test_reshard_to_a_group_of_ranks_trains_like_ddp(four_ranks):
     # On 4 ranks, parameters stay gathered over pairs between forward and backward.
     for rank, states in enumerate(four_ranks):
         assert_same_state(_state(states, "fsdp_reshard_to_2"), _state(states, "ddp_batch_4"), label=f"rank {rank}")
+
+
+def test_hsdp_on_a_2x2_mesh_trains_like_ddp(four_ranks):
+    # Two replicas, each sharding over two ranks: reduce-scatter in a replica, all-reduce across them.
+    for rank, states in enumerate(four_ranks):
+        assert_same_state(_state(states, "hsdp_2x2"), _state(states, "ddp_batch_4"), label=f"rank {rank}")
 
 
 # Low-precision parameters round the forward and backward to 8 (bf16) or 11

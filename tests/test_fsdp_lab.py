@@ -31,8 +31,9 @@ def _predicted_state(model: str, strategy: str, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    """Three independent 2-rank jobs, launched together so their start-ups overlap: the script and
-    ``distlab.train --strategy fsdp`` on the same MNIST files and seed, and the script on a GPT."""
+    """Four independent 2-rank jobs, launched together so their start-ups overlap: the script and
+    ``distlab.train --strategy fsdp`` on the same MNIST files and seed, and the script on a GPT, plain and
+    with the lab's prefetch and offload options."""
     out = tmp_path_factory.mktemp("fsdp-lab")
     data = write_tiny_mnist(out / "data")
     common = ["--dataset", "mnist", "--data-dir", str(data), "--epochs", "2", "--batch-size", "16"]
@@ -43,6 +44,16 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "script": (str(SCRIPT), *common, "--out", str(out / "script.json")),
         "library": ("distlab.train", *library, *common, "--out", str(out)),
         "gpt": (str(SCRIPT), *gpt, "--checkpoint-activations", "--out", str(out / "gpt.json")),
+        "gpt-options": (
+            str(SCRIPT),
+            *gpt,
+            "--checkpoint-activations",
+            "--prefetch-depth",
+            "2",
+            "--cpu-offload",
+            "--out",
+            str(out / "gpt-options.json"),
+        ),
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         done = {name: pool.submit(run_torchrun, 2, *args, timeout=180) for name, args in jobs.items()}
@@ -77,3 +88,13 @@ def test_a_gpt_with_activation_checkpointing_holds_the_predicted_shards(runs):
     assert held == [_predicted_state("gpt-tiny", "fsdp", rank) for rank in range(2)]
     # Sharding halves (up to padding) what a rank holds: the point of FSDP.
     assert held[0] < 0.6 * _predicted_state("gpt-tiny", "ddp", 0)
+
+
+def test_prefetch_depth_and_offload_change_no_arithmetic(runs):
+    """Two units gathered ahead and the state in host memory: the same losses and the same bytes held (on a CPU
+    nothing moves, and there is no second stream: the lab times them on GPUs)."""
+    (plain,), (options,) = runs["gpt"]["metrics"]["epochs"], runs["gpt-options"]["metrics"]["epochs"]
+    assert options["step_loss"] == pytest.approx(plain["step_loss"], rel=1e-6)
+    assert runs["gpt-options"]["config"]["prefetch_depth"] == 2 and runs["gpt-options"]["config"]["cpu_offload"]
+    held = [rank["state_bytes"] for rank in runs["gpt-options"]["metrics"]["memory"]]
+    assert held == [rank["state_bytes"] for rank in runs["gpt"]["metrics"]["memory"]]

@@ -139,3 +139,23 @@ def test_gamma_is_what_summing_adds_to_moving_the_same_bytes():
     }
     assert costmodel.reduction_cost(fits, "ring", n) == pytest.approx(gamma)
     assert costmodel.reduction_cost(fits, "torch", n) is None
+
+
+def test_a_strategys_overhead_is_its_one_rank_step_less_the_bare_models_and_adds_to_the_prediction(tiny_sweep):
+    """Measured where nothing communicates, added at N ranks: the prediction grows by exactly that much."""
+    one_rank = {
+        "environment": {"world_size": 1},
+        "metrics": {"presets": [{"model": "gpt-tiny", "local": {"time_s": 0.010},
+                                 "variants": [{"variant": "fsdp", "time_s": 0.025},
+                                              {"variant": "ddp", "time_s": 0.009}]}]},
+    }  # fmt: skip
+    overheads = costmodel.strategy_overheads(one_rank)
+    assert overheads == {("gpt-tiny", "fsdp"): pytest.approx(0.015), ("gpt-tiny", "ddp"): 0.0}  # never negative
+    with pytest.raises(ValueError, match="one-rank"):
+        costmodel.strategy_overheads(tiny_sweep)
+    model = tiny_sweep["metrics"]["presets"][0]["model"]
+    added = {(model, variant): 0.001 * (i + 1) for i, variant in enumerate(VARIANTS)}
+    bare, with_overheads = costmodel.evaluate(tiny_sweep), costmodel.evaluate(tiny_sweep, added)
+    for a, b in zip(bare, with_overheads, strict=True):
+        assert b["predicted_s"] == pytest.approx(a["predicted_s"] + added[model, a["variant"]])
+        assert b["parts_s"]["overhead_s"] == added[model, a["variant"]]

@@ -1,7 +1,7 @@
 /* The memory calculator, in the reader's browser: bytes per rank by strategy, and whether they fit.
  *
- * distlabMemoryPerRank(inputs) is distlab.calculator.memory_per_rank, formula for formula, for a model
- * cut into `shard_units` equal flat units, and distlabLargestFitting(inputs) is
+ * distlabMemoryPerRank(inputs) is distlab.predict.calculator.memory_per_rank, formula for formula, for a
+ * model cut into `shard_units` equal flat units, and distlabLargestFitting(inputs) is
  * largest_fitting_parameters (tests/test_calculator.py runs both sides on a grid of inputs and
  * compares every number). Every <div class="distlab-calculator"> on a page (book/_static/calculator.html)
  * is wired to it. Jupyter Book adds every .js file of book/_static to every page, so this file does
@@ -24,14 +24,21 @@
   const STEP_COUNTER_BYTES = { adam: 4, adamw: 4, sgd: 0 };
   const PRECISIONS = ["fp32", "mixed"];
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
-  // Row label -> ZeRO stage of distlab.predict.memory.STAGE, and whether FSDP keeps every unit gathered.
+  // distlab.predict.calculator.REDUCE_DTYPES: bytes per value of the gradient reductions on the wire.
+  const REDUCE_DTYPES = { fp32: 4, "16-bit": 2 };
+  // distlab.predict.calculator.ZERO_BUCKET_VALUES: ZeRO-2's one bucket of whole gradients (5 MB of fp32 values).
+  const ZERO_BUCKET_VALUES = Math.floor((5 * 2 ** 20) / 4);
+  // Row label -> ZeRO stage of distlab.predict.memory.STAGE, torch DDP's second copy of the gradients,
+  // and whether FSDP keeps every unit gathered.
   const STRATEGIES = [
-    { label: "DDP", stage: 0 },
+    { label: "DDP, torch's default buckets", stage: 0, bucketCopy: true },
+    { label: "DDP, gradient_as_bucket_view", stage: 0 },
     { label: "ZeRO-1", stage: 1 },
     { label: "ZeRO-2", stage: 2 },
     { label: "FSDP FULL_SHARD (ZeRO-3)", stage: 3, keepsGathered: false },
     { label: "FSDP SHARD_GRAD_OP", stage: 3, keepsGathered: true },
   ];
+  const TRANSFORMER_FIELDS = ["hidden", "heads", "seq_len", "micro_batch"];
 
   // Exact for the whole numbers this page meets (below 2**53): the float quotient is corrected.
   function ceilDiv(a, b) {
@@ -47,6 +54,7 @@
 
   function check(inputs) {
     const { parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units } = inputs;
+    const { reduce_dtype, transformer } = inputs;
     if (!isWhole(parameters) || parameters < 1) throw new Error("the model needs at least 1 parameter, a whole number");
     if (!isWhole(gpus) || gpus < 1) throw new Error("GPUs must be a whole number of at least 1");
     if (!(memory_gib > 0)) throw new Error("memory per GPU must be positive");
@@ -56,12 +64,36 @@
     if (!isWhole(shard_units) || shard_units < 1 || shard_units > parameters) {
       throw new Error("shard units must be a whole number from 1 to the number of parameters");
     }
+    if (!(reduce_dtype in REDUCE_DTYPES)) {
+      throw new Error(`reduce dtype must be one of ${Object.keys(REDUCE_DTYPES).join(", ")}`);
+    }
+    if (transformer != null) {
+      for (const name of TRANSFORMER_FIELDS) {
+        if (!isWhole(transformer[name]) || transformer[name] < 1) {
+          throw new Error(`the transformer's ${name} must be a whole number of at least 1`);
+        }
+      }
+    }
   }
 
-  /* Rows as distlab.calculator.memory_per_rank returns them: {strategy, parameters, gradients,
-   * optimizer_state, gathered, activations, total, fits}, bytes on rank 0 at its peak. */
+  /* distlab.predict.calculator.layer_activation_bytes: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes a
+   * layer keeps in 16-bit training, or 2*s*b*h with full recomputation. */
+  function layerActivationBytes({ hidden: h, heads: a, seq_len: s, micro_batch: b, recompute }) {
+    return recompute ? 2 * s * b * h : 34 * s * b * h + 5 * a * s * s * b;
+  }
+
+  // distlab.predict.calculator._activations: typed GiB, or the formula for shard_units layers (doubled in fp32).
+  function activationBytes({ activations_gib, shard_units, transformer, precision }) {
+    if (transformer == null) return Math.trunc(activations_gib * GIB);
+    return shard_units * layerActivationBytes(transformer) * (precision === "fp32" ? 2 : 1);
+  }
+
+  /* Rows as distlab.predict.calculator.memory_per_rank returns them: {strategy, parameters, gradients,
+   * optimizer_state, buckets, gathered, activations, total, fits, sent}, bytes on rank 0 at its peak, and
+   * the bytes it sends in one step. */
   function withDefaults(inputs) {
-    return { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32, ...inputs };
+    const defaults = { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32 };
+    return { ...defaults, reduce_dtype: "fp32", transformer: null, ...inputs };
   }
 
   function distlabMemoryPerRank(inputs) {
@@ -71,40 +103,50 @@
   }
 
   function rowsFor(full) {
-    const { parameters, gpus: n, memory_gib, precision, optimizer, activations_gib, shard_units } = full;
+    const { parameters, gpus: n, memory_gib, precision, optimizer, shard_units, reduce_dtype } = full;
     const perValue = BYTES_PER_VALUE[`${optimizer},${precision}`];
     const stepBytes = STEP_COUNTER_BYTES[optimizer];
-    // distlab.calculator.equal_units: `larger` units of size+1 values, the rest of `size`, an empty root.
+    const reduceBytes = REDUCE_DTYPES[reduce_dtype];
+    // distlab.predict.calculator.equal_units: `larger` units of size+1 values, the rest of `size`, an empty root.
     const size = Math.floor(parameters / shard_units);
     const larger = parameters - size * shard_units;
     const unitShard = (values) => ceilDiv(values, n); // FSDP2 pads each unit's dim 0 to a multiple of n
     const fsdpShard = larger * unitShard(size + 1) + (shard_units - larger) * unitShard(size);
     const largestGathered = unitShard(larger > 0 ? size + 1 : size) * n;
     const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer (one bucket) padded to a multiple of n
-    const activations = Math.trunc(activations_gib * GIB);
+    const activations = activationBytes(full);
 
-    return STRATEGIES.map(({ label, stage, keepsGathered }) => {
+    return STRATEGIES.map(({ label, stage, keepsGathered, bucketCopy }) => {
       let values; // [parameters, gradients, optimizer state, step counters], values held by rank 0
       let gathered = 0;
+      let buckets = 0;
+      let sent; // distlab.predict.calculator.bytes_sent: a ring's 2(N-1) or N-1 shards per collective
       if (stage === 0) {
         values = [parameters, parameters, parameters, 1];
+        if (bucketCopy) buckets = parameters * perValue[1];
+        sent = 2 * (n - 1) * flatShard * reduceBytes;
       } else if (stage < 3) {
-        // zero1 keeps its whole flat gradient, padding included; zero2 only its slice
+        // zero1 keeps its whole flat gradient, padding included; zero2 only its slice, and one bucket whole
         values = [flatShard * n, stage === 2 ? flatShard : flatShard * n, flatShard, 1];
+        if (stage === 2) buckets = ceilDiv(Math.min(parameters, ZERO_BUCKET_VALUES), n) * n * perValue[1];
+        sent = (n - 1) * flatShard * (reduceBytes + perValue[0]);
       } else {
         values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
         gathered = keepsGathered ? fsdpShard * n * perValue[0] : largestGathered * perValue[0];
+        sent = (n - 1) * fsdpShard * (reduceBytes + (keepsGathered ? 1 : 2) * perValue[0]);
       }
       const row = {
         strategy: label,
         parameters: values[0] * perValue[0],
         gradients: values[1] * perValue[1],
         optimizer_state: values[2] * perValue[2] + values[3] * stepBytes,
+        buckets,
         gathered,
         activations,
       };
-      row.total = row.parameters + row.gradients + row.optimizer_state + row.gathered + row.activations;
+      row.total = row.parameters + row.gradients + row.optimizer_state + buckets + gathered + activations;
       row.fits = row.total <= memory_gib * GIB;
+      row.sent = sent;
       return row;
     });
   }
@@ -159,7 +201,24 @@
       optimizer: form.elements.optimizer.value,
       activations_gib: number("activations_gib"),
       shard_units: number("shard_units"),
+      reduce_dtype: form.elements.reduce_dtype.value,
+      transformer: form.elements.activations_from.value === "formula" ? readTransformer(form, number) : null,
     };
+  }
+
+  // The layer Korthikanti et al.'s formula counts; its inputs are shown only when the formula is chosen.
+  function readTransformer(form, number) {
+    const layer = { recompute: form.elements.recompute.checked };
+    for (const name of TRANSFORMER_FIELDS) layer[name] = number(name);
+    return layer;
+  }
+
+  function showActivationInputs(calculator) {
+    const form = calculator.querySelector("form");
+    const formula = form.elements.activations_from.value === "formula";
+    for (const part of calculator.querySelectorAll("[data-activations]")) {
+      part.hidden = (part.dataset.activations === "formula") !== formula;
+    }
   }
 
   function answer(inputs, rows) {
@@ -175,6 +234,7 @@
     const form = calculator.querySelector("form");
     const output = calculator.querySelector("output");
     const body = calculator.querySelector("tbody");
+    showActivationInputs(calculator);
     const inputs = readInputs(form);
     let rows;
     try {
@@ -190,9 +250,10 @@
     body.replaceChildren(
       ...rows.map((row) => {
         const tr = document.createElement("tr");
-        const sizes = ["parameters", "gradients", "optimizer_state", "gathered", "total"];
+        const sizes = ["parameters", "gradients", "optimizer_state", "buckets", "gathered", "activations", "total"];
         const fitText = row.fits ? "yes" : "no";
-        const cells = [row.strategy, ...sizes.map((key) => gib(row[key])), fitText, modelSize(largest[row.strategy])];
+        const cells = [row.strategy, ...sizes.map((key) => gib(row[key])), fitText, gib(row.sent)];
+        cells.push(modelSize(largest[row.strategy]));
         for (const text of cells) {
           const td = document.createElement("td");
           td.textContent = text;
@@ -215,7 +276,7 @@
     }
   }
 
-  const api = { distlabMemoryPerRank, distlabLargestFitting, BYTES_PER_VALUE, STEP_COUNTER_BYTES, GIB };
+  const api = { distlabMemoryPerRank, distlabLargestFitting, BYTES_PER_VALUE, STEP_COUNTER_BYTES, REDUCE_DTYPES, GIB };
   if (typeof module === "object" && module.exports) {
     module.exports = api;
   } else {

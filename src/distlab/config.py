@@ -113,6 +113,12 @@ class ParallelConfig:
         "world size, such as the GPUs of one node), so backward's all-gather stays in the group; "
         "0: --fsdp-reshard-after-forward decides",
     )
+    fsdp_replicate: int = option(
+        1,
+        "fsdp: HSDP, a 2-D mesh of this many replicas (a divisor of the world size), each sharding over "
+        "world size / replicas ranks (the GPUs of one node, say): gradients are reduce-scattered inside a replica "
+        "and all-reduced across them; 1 shards over every rank",
+    )
     fsdp_prefetch: Literal["implicit", "explicit"] = option(
         "implicit",
         "fsdp: implicit (FSDP2's default: backward gathers the next unit early by itself) or explicit "

@@ -27,7 +27,9 @@ class FSDP2(Strategy):
     ``reshard_after_forward=True`` frees gathered parameters after forward
     (FSDP1's FULL_SHARD); ``False`` keeps them until backward (SHARD_GRAD_OP);
     an integer ``g`` keeps each parameter gathered over groups of ``g`` ranks,
-    so backward's all-gather stays inside a group (a node, say).
+    so backward's all-gather stays inside a group (a node, say). ``replicate=R``
+    is HSDP (FSDP1's HYBRID_SHARD): a 2-D mesh of R replicas, each sharding over
+    N/R ranks.
     """
 
     name: ClassVar[str] = "fsdp"
@@ -36,6 +38,7 @@ class FSDP2(Strategy):
         "fsdp_reshard_after_forward",
         "fsdp_units",
         "fsdp_reshard_to",
+        "fsdp_replicate",
         "fsdp_prefetch",
         "fsdp_prefetch_depth",
         "fsdp_param_dtype",
@@ -55,8 +58,10 @@ class FSDP2(Strategy):
         cpu_offload: bool = False,
         reshard_between_micro_steps: bool = True,
         units: Literal["model", "root"] = "model",
+        replicate: int = 1,
     ):
         self.reshard_after_forward = reshard_after_forward
+        self.replicate = replicate
         self.predicted_by = "fsdp-no-reshard" if reshard_after_forward is False else "fsdp"
         self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.prefetch, self.prefetch_depth = prefetch, prefetch_depth
@@ -76,6 +81,7 @@ class FSDP2(Strategy):
             cpu_offload=parallel.fsdp_cpu_offload,
             reshard_between_micro_steps=parallel.fsdp_reshard_between_micro_steps,
             units=parallel.fsdp_units,
+            replicate=parallel.fsdp_replicate,
         )
 
     def check_world_size(self, world_size: int) -> None:
@@ -87,15 +93,20 @@ class FSDP2(Strategy):
                 f"(it is the size of the group a parameter stays gathered over): use a divisor of {world_size}, "
                 "or --fsdp-reshard-after-forward"
             )
+        if self.replicate < 1 or world_size % self.replicate:
+            raise DistlabError(
+                f"--fsdp-replicate {self.replicate} must divide the {world_size} ranks (it is the number of "
+                f"replicas, each sharding over the rest): use a divisor of {world_size}, or 1 to shard over all"
+            )
+        if self.replicate > 1 and not isinstance(group, bool):
+            raise DistlabError("--fsdp-replicate and --fsdp-reshard-to both cut the ranks into groups: use one of them")
 
     def wrap(self, model: nn.Module, runtime) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.check_world_size(runtime.world_size)
         # One root unit gathers the whole model at once: what FSDP1's size-based
         # policy does when its threshold is above every layer's size.
         units = require_shard_units(model, self.name) if self.units == "model" else []
-        mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+        mesh = self.device_mesh(runtime)
         options = dict(
             mesh=mesh,
             reshard_after_forward=self.reshard_after_forward,
@@ -117,6 +128,16 @@ class FSDP2(Strategy):
                 unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + depth])
                 unit.set_modules_to_backward_prefetch(units[max(0, index - depth) : index][::-1])
         return root
+
+    def device_mesh(self, runtime):
+        """A 1-D mesh over every rank, or HSDP's 2-D one: ``replicate`` rows of ``N / replicate`` ranks, each row
+        one replica that shards the model (rank r in row r // (N / replicate)), each column one shard's replicas."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.replicate == 1:
+            return init_device_mesh(runtime.device.type, (runtime.world_size,))
+        shape = (self.replicate, runtime.world_size // self.replicate)
+        return init_device_mesh(runtime.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
     def _offload_policy(self, device: torch.device):
         if not self.cpu_offload:

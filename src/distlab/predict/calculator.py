@@ -1,39 +1,90 @@
 """The memory calculator: bytes per rank, strategy by strategy, for a model known only by its size.
 
 :func:`memory_per_rank` answers "does a model of P parameters train on N GPUs of M GiB each?" with
-the ZeRO memory model of :mod:`distlab.predict.memory`: one row per strategy (DDP, ZeRO-1, ZeRO-2, FSDP
-FULL_SHARD, FSDP SHARD_GRAD_OP), each with its parameters, gradients, optimizer state, gathered
-parameters, activations, total and whether it fits. :func:`largest_fitting_parameters` turns the
-question round: the most parameters each strategy fits on those GPUs. The book's calculator
-(``book/_static/distlab-calculator.js``) computes both in the reader's browser, and
-``tests/test_calculator.py`` checks that page and library give the same numbers.
+the ZeRO memory model of :mod:`distlab.predict.memory`: one row per strategy (torch DDP with its default
+buckets and with ``gradient_as_bucket_view``, the course's ZeRO-1 and ZeRO-2, FSDP FULL_SHARD and
+SHARD_GRAD_OP), each with its parameters, gradients, optimizer state, communication buffers, gathered
+parameters, activations, total, whether it fits, and the bytes a rank sends in one step.
+:func:`largest_fitting_parameters` turns the question round: the most parameters each strategy fits on
+those GPUs. The book's calculator (``book/_static/distlab-calculator.js``) computes both in the reader's
+browser, and ``tests/test_calculator.py`` checks that page and library give the same numbers.
 
 The model is cut into ``shard_units`` equal units (a GPT's blocks), which FSDP gathers one at a time;
 the units are flat, so every count is exact for the padding each unit's flat shard adds, not for the
 per-parameter padding of a real model's shapes (:func:`distlab.predict.memory.shard_unit_shapes` gives those).
+Activations are either typed in GiB or counted by Korthikanti et al.'s formula for a transformer layer
+(:func:`layer_activation_bytes`), one layer per shard unit.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 from distlab.predict.memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
 
 GIB = 2**30
 PRECISIONS = {"fp32": "fp32", "mixed": "mixed bf16/fp16"}
 """The precisions of :data:`distlab.predict.memory.BYTES_PER_VALUE`: fp32 everywhere, or the ZeRO paper's mixed
-precision (16-bit parameters and gradients, fp32 master weights in the optimizer state)."""
+precision (16-bit parameters and gradients, fp32 master weights in the optimizer state). torch's autocast keeps
+fp32 parameters: its state is "fp32"."""
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"}
+REDUCE_DTYPES = {"fp32": 4, "16-bit": 2}
+"""Bytes per value of the gradient reductions on the wire: fp32 is torch's default under autocast (DDP
+all-reduces its fp32 gradients; the course's FSDP2 policy has ``reduce_dtype=fp32``); 16-bit is DDP's
+``fp16_compress_hook`` or ``reduce_dtype=bf16``. Parameters are gathered in the precision's parameter dtype."""
 STRATEGIES = {
-    "DDP": "ddp",
+    "DDP, torch's default buckets": "ddp",
+    "DDP, gradient_as_bucket_view": "ddp",
     "ZeRO-1": "zero1",
     "ZeRO-2": "zero2",
     "FSDP FULL_SHARD (ZeRO-3)": "fsdp",
     "FSDP SHARD_GRAD_OP": "fsdp-no-reshard",
 }
-"""Row label -> the model of :data:`distlab.predict.memory.STAGE`. Both FSDP rows hold ZeRO-3's state at rest;
-they differ in the gathered parameters at the peak."""
-ROW_FIELDS = ("strategy", "parameters", "gradients", "optimizer_state", "gathered", "activations", "total", "fits")
+"""Row label -> the model of :data:`distlab.predict.memory.STAGE`. torch DDP's default
+(``gradient_as_bucket_view=False``) keeps a second copy of every gradient in its buckets; with the flag the
+gradients are views of the buckets. Both FSDP rows hold ZeRO-3's state at rest; they differ in the gathered
+parameters at the peak."""
+ROW_FIELDS = (
+    "strategy", "parameters", "gradients", "optimizer_state", "buckets", "gathered", "activations", "total",
+    "fits", "sent",
+)  # fmt: skip
 DEFAULT_SHARD_UNITS = 32
 """gpt-6.7b's (and a 7B Llama's) 32 transformer blocks."""
+ZERO_BUCKET_VALUES = 5 * 2**20 // 4
+"""The course's ZeRO-2 reduces one 5 MB bucket of fp32-sized gradient values at a time
+(:data:`distlab.parallel.zero.ZERO_BUCKET_CAP_MB`): that bucket, whole, is what it holds beyond its slice."""
+ACTIVATIONS_SOURCE = (
+    "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models' (2022), "
+    "https://arxiv.org/abs/2205.05198, section 4.1"
+)
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """What Korthikanti et al.'s activation count needs of one transformer layer and its batch.
+
+    ``hidden`` is h, ``heads`` a, ``seq_len`` s and ``micro_batch`` b (sequences per GPU per forward);
+    ``recompute`` is full activation checkpointing, which keeps only each layer's input."""
+
+    hidden: int
+    heads: int
+    seq_len: int
+    micro_batch: int
+    recompute: bool = False
+
+
+def layer_activation_bytes(layer: Transformer) -> int:
+    """Bytes one transformer layer keeps for backward in 16-bit training (``ACTIVATIONS_SOURCE``):
+    ``s*b*h*(34 + 5*a*s/h)`` = ``34*s*b*h + 5*a*s*s*b`` (attention's scores, softmax and dropout are the
+    ``5*a*s*s*b``); with full recomputation only the layer's 16-bit input, ``2*s*b*h``."""
+    s, b, h, a = layer.seq_len, layer.micro_batch, layer.hidden, layer.heads
+    return 2 * s * b * h if layer.recompute else 34 * s * b * h + 5 * a * s * s * b
+
+
+def activation_bytes(layers: int, layer: Transformer, precision: str) -> int:
+    """``layers`` layers' activations; doubled in fp32, where what the formula counts in 16 bits is 32 (the
+    1-byte dropout masks doubled too: an upper bound)."""
+    return layers * layer_activation_bytes(layer) * (2 if precision == "fp32" else 1)
 
 
 def equal_units(parameters: int, shard_units: int) -> list[list[Shape]]:
@@ -43,11 +94,15 @@ def equal_units(parameters: int, shard_units: int) -> list[list[Shape]]:
     return [[(size + 1,)] for _ in range(larger)] + [[(size,)] for _ in range(shard_units - larger)] + [[]]
 
 
-def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units) -> None:
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, layer):
     """One line saying which input is wrong and what it may be."""
-    if not isinstance(parameters, int) or parameters < 1:
+    if not _whole(parameters) or parameters < 1:
         raise ValueError(f"parameters must be a whole number of at least 1, not {parameters!r}")
-    if not isinstance(gpus, int) or gpus < 1:
+    if not _whole(gpus) or gpus < 1:
         raise ValueError(f"gpus must be a whole number of at least 1, not {gpus!r}")
     if not memory_gib > 0:
         raise ValueError(f"memory_gib (memory per GPU, GiB) must be positive, not {memory_gib!r}")
@@ -57,31 +112,64 @@ def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, 
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
     if not activations_gib >= 0:
         raise ValueError(f"activations_gib must be 0 or more, not {activations_gib!r}")
-    if not isinstance(shard_units, int) or not 1 <= shard_units <= parameters:
+    if not _whole(shard_units) or not 1 <= shard_units <= parameters:
         raise ValueError(f"shard_units must be a whole number from 1 to parameters ({parameters}), not {shard_units!r}")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, not {reduce_dtype!r}")
+    if layer is not None:
+        for name in ("hidden", "heads", "seq_len", "micro_batch"):
+            value = getattr(layer, name)
+            if not _whole(value) or value < 1:
+                raise ValueError(f"transformer {name} must be a whole number of at least 1, not {value!r}")
 
 
-def _row(
-    label: str,
-    parameters: int,
-    gpus: int,
-    memory_gib: float,
-    precision: str,
-    optimizer: str,
-    activations: int,
-    shard_units: int,
-) -> dict:
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def bytes_sent(label: str, parameters: int, gpus: int, shard_units: int, gather_bytes: int, reduce_bytes: int) -> int:
+    """Bytes one rank sends in one step under ``label`` in NCCL's ring, the model one flat buffer (DDP, ZeRO-1/2,
+    padded to a multiple of N) or ``shard_units`` flat units (FSDP, each padded): an all-reduce sends 2(N-1)
+    shards, a reduce-scatter or an all-gather N-1. ZeRO-1/2 reduce-scatter the gradients and all-gather the
+    updated parameters; FULL_SHARD gathers every unit twice (forward, backward), SHARD_GRAD_OP once."""
+    n, strategy = gpus, STRATEGIES[label]
+    if strategy == "ddp":
+        return 2 * (n - 1) * _ceil(parameters, n) * reduce_bytes
+    if strategy in ("zero1", "zero2"):
+        return (n - 1) * _ceil(parameters, n) * (reduce_bytes + gather_bytes)
+    size, larger = divmod(parameters, shard_units)
+    shard = larger * _ceil(size + 1, n) + (shard_units - larger) * _ceil(size, n)
+    gathers = 2 if strategy == "fsdp" else 1
+    return (n - 1) * shard * (reduce_bytes + gathers * gather_bytes)
+
+
+def _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype) -> dict:
     """One strategy's row of :func:`memory_per_rank` (inputs already checked)."""
     strategy = STRATEGIES[label]
     units = equal_units(parameters, shard_units)
-    parameter_bytes = BYTES_PER_VALUE[optimizer, precision][0]
+    parameter_bytes, gradient_bytes = BYTES_PER_VALUE[optimizer, precision][:2]
     sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2: one flat buffer per 5 MB bucket
     state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
     gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
-    total = state["parameters"] + state["gradients"] + state["optimizer_state"] + gathered + activations
-    return {"strategy": label, **state, "gathered": gathered, "activations": activations, "total": total} | {
-        "fits": total <= memory_gib * GIB
+    if label == "DDP, torch's default buckets":
+        buckets = parameters * gradient_bytes
+    elif strategy == "zero2":
+        buckets = _ceil(min(parameters, ZERO_BUCKET_VALUES), gpus) * gpus * gradient_bytes
+    else:
+        buckets = 0
+    total = state["parameters"] + state["gradients"] + state["optimizer_state"] + buckets + gathered + activations
+    sent = bytes_sent(label, parameters, gpus, shard_units, parameter_bytes, REDUCE_DTYPES[reduce_dtype])
+    return {"strategy": label, **state, "buckets": buckets, "gathered": gathered, "activations": activations} | {
+        "total": total,
+        "fits": total <= memory_gib * GIB,
+        "sent": sent,
     }
+
+
+def _activations(activations_gib: float, shard_units: int, transformer: Transformer | None, precision: str) -> int:
+    if transformer is None:
+        return int(activations_gib * GIB)
+    return activation_bytes(shard_units, transformer, precision)
 
 
 def memory_per_rank(
@@ -92,19 +180,23 @@ def memory_per_rank(
     optimizer: str = "adam",
     activations_gib: float = 0.0,
     shard_units: int = DEFAULT_SHARD_UNITS,
+    reduce_dtype: str = "fp32",
+    transformer: Transformer | None = None,
 ) -> list[dict]:
-    """Bytes rank 0 holds at its peak under each strategy, and whether they fit in ``memory_gib``.
+    """Bytes rank 0 holds at its peak under each strategy, whether they fit in ``memory_gib``, and what it sends.
 
     One dict per strategy of :data:`STRATEGIES`, with the keys of :data:`ROW_FIELDS`: the state of
-    :func:`distlab.predict.memory.expected_state_bytes`, the whole parameters FSDP gathers (one unit at a time
-    with FULL_SHARD, all of them with SHARD_GRAD_OP: :func:`distlab.predict.memory.expected_gathered_bytes`)
-    in the parameters' dtype, ``activations_gib`` (the
-    same for every strategy: they depend on batch, sequence and model), their ``total`` and
-    ``fits = total <= memory_gib`` GiB."""
-    _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units)
-    activations = int(activations_gib * GIB)
+    :func:`distlab.predict.memory.expected_state_bytes`; ``buckets``, torch DDP's second copy of the gradients
+    (its default) or the one bucket of whole gradients the course's ZeRO-2 reduces at a time; the whole
+    parameters FSDP gathers (one unit at a time with FULL_SHARD, all of them with SHARD_GRAD_OP:
+    :func:`distlab.predict.memory.expected_gathered_bytes`) in the parameters' dtype; the activations, the same
+    for every strategy (``activations_gib``, or with ``transformer`` Korthikanti et al.'s count for
+    ``shard_units`` layers); their ``total``; ``fits = total <= memory_gib`` GiB; and ``sent``, the bytes of
+    :func:`bytes_sent` with gradients reduced in ``reduce_dtype``."""
+    _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, transformer)
+    activations = _activations(activations_gib, shard_units, transformer, precision)
     return [
-        _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units)
+        _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype)
         for label in STRATEGIES
     ]
 
@@ -121,18 +213,22 @@ def largest_fitting_parameters(
     optimizer: str = "adam",
     activations_gib: float = 0.0,
     shard_units: int = DEFAULT_SHARD_UNITS,
+    reduce_dtype: str = "fp32",
+    transformer: Transformer | None = None,
 ) -> dict[str, int]:
-    """The most parameters each strategy fits in ``memory_gib`` per GPU (rows as :func:`memory_per_rank`).
+    """The most parameters each strategy fits in ``memory_gib`` per GPU (rows as :func:`memory_per_rank`;
+    with ``transformer`` the activations stay those of its layer, whatever the parameter count).
 
     A bisection over the parameter count, whose totals never fall as it grows: 0 where even a model of
     ``shard_units`` parameters does not fit, :data:`LARGEST_SEARCHED` where that one still fits."""
-    _check(shard_units, gpus, memory_gib, precision, optimizer, activations_gib, shard_units)
-    activations = int(activations_gib * GIB)
+    _check(shard_units, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, transformer)
+    activations = _activations(activations_gib, shard_units, transformer, precision)
     largest = {}
     for label in STRATEGIES:
 
         def fits(parameters: int, label: str = label) -> bool:
-            return _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units)["fits"]
+            machine = (gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype)
+            return _row(label, parameters, *machine)["fits"]
 
         if not fits(shard_units):
             largest[label] = 0
@@ -146,3 +242,13 @@ def largest_fitting_parameters(
             fitting, too_large = (middle, too_large) if fits(middle) else (fitting, middle)
         largest[label] = fitting
     return largest
+
+
+def transformer_from(inputs: dict | None) -> Transformer | None:
+    """The page's ``transformer`` object (``{"hidden": ..., ...}`` or null) as a :class:`Transformer`."""
+    return None if inputs is None else Transformer(**inputs)
+
+
+def transformer_inputs(layer: Transformer | None) -> dict | None:
+    """The inverse of :func:`transformer_from`: what the page's JavaScript takes."""
+    return None if layer is None else asdict(layer)

@@ -236,10 +236,12 @@ def predict_step_s(
     backend: str = "gloo",
     overlap: float = 0.0,
     order: Sequence[Shape] | None = None,
+    overhead_s: float = 0.0,
 ) -> dict[str, float]:
     """The parts of one step's time on one rank. ``overlap``: the share of the communication of all
     but the last collective that hides behind backward (0 on a CPU: the same cores do both); ``order``
-    as for :func:`collective_calls`."""
+    as for :func:`collective_calls`; ``overhead_s``: what the strategy costs around the same arithmetic
+    with nothing to communicate (:func:`strategy_overheads`)."""
     parameters = sum(math.prod(s) for unit in units for s in unit)
     calls = collective_calls(variant, units, n, backend, order=order)
     times = [collectives[collective, impl].time_s(size) for collective, impl, size in calls]
@@ -249,6 +251,7 @@ def predict_step_s(
         "compute_s": flops_s,
         "optimizer_s": compute.optimizer_s(stepped_values(variant, parameters, n, units)),
         "communication_s": sum(times) - hidden,
+        "overhead_s": overhead_s,
     }
     return parts | {"total_s": sum(parts.values()), "calls": len(calls)}
 
@@ -306,12 +309,29 @@ def error_summary(errors: Sequence[float]) -> dict[str, float]:
     return {"points": len(errors), "median_abs": statistics.median(magnitudes), "max_abs": max(magnitudes)}
 
 
-def evaluate(result: dict) -> list[dict]:
+def strategy_overheads(one_rank: dict) -> dict[tuple[str, str], float]:
+    """What each strategy costs around the bare model's arithmetic, from a one-rank sweep, where nothing
+    communicates: ``(model, variant) -> `` its measured step less the same model's step with no wrapper at all
+    (``local``), at least 0. That is what the FLOP and byte counts leave out: hooks, copies into and out of
+    flat buffers, DTensor dispatch, Python around each unit and call. Measured in a run of its own, on one
+    rank, and added at N ranks: it never sees the step it predicts."""
+    if one_rank["environment"]["world_size"] != 1:
+        raise ValueError("strategy overheads come from a one-rank sweep, where nothing communicates")
+    return {
+        (preset["model"], row["variant"]): max(0.0, row["time_s"] - preset["local"]["time_s"])
+        for preset in one_rank["metrics"]["presets"]
+        for row in preset["variants"]
+    }
+
+
+def evaluate(result: dict, overheads: dict[tuple[str, str], float] | None = None) -> list[dict]:
     """Every point of one sweep result (one world size): the model's step time and peak memory next
     to the measured ones. The model's inputs come from the same run's calibration (the steps with no
     communication, the collectives' timings, the activations' high-water mark), never from the
-    strategies' own measurements."""
+    strategies' own measurements; ``overheads`` (:func:`strategy_overheads`, from another run) adds each
+    strategy's cost around the arithmetic."""
     metrics, n = result["metrics"], result["environment"]["world_size"]
+    overheads = overheads or {}
     backend = result["environment"].get("backend", "gloo")
     compute = ComputeModel.fit(metrics["presets"])
     collectives = fit_collectives(metrics["collectives"])
@@ -325,7 +345,7 @@ def evaluate(result: dict) -> list[dict]:
         for row in preset["variants"]:
             step = predict_step_s(
                 row["variant"], preset["model"], preset["tokens_per_rank"], preset["seq_len"], n, units, compute,
-                collectives, backend, order=order,
+                collectives, backend, order=order, overhead_s=overheads.get((preset["model"], row["variant"]), 0.0),
             )  # fmt: skip
             memory = predict_peak_bytes(row["variant"], n, units, activations, backward_extra)
             measured_peak = max(rank["peak"] for rank in row["memory"]["ranks"])

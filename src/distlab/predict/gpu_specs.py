@@ -43,8 +43,10 @@ PALM = ("Chowdhery et al., 'PaLM: Scaling Language Modeling with Pathways', http
 @dataclass(frozen=True)
 class GPU:
     """One GPU's cited peaks. FLOP/s are dense; ``mfu`` is the assumed achieved fraction of ``fp16_flops``
-    (= bf16 where it exists) in transformer training. ``usable_memory_bytes`` is nvidia-smi's total (ECC and
-    driver reservations out); CUDA's own total and the CUDA context take a few hundred MiB more."""
+    (= bf16 where it exists) in transformer training. ``usable_memory_bytes`` is the total CUDA reports
+    (``torch.cuda.get_device_properties(i).total_memory``), where one is cited: a few hundred MiB under
+    nvidia-smi's total, ECC and driver reservations out. Where none is cited it is nvidia-smi's, and its source
+    says so. The CUDA context (a few hundred MiB more) is not taken out."""
 
     name: str
     memory_bytes: int
@@ -86,7 +88,7 @@ class System:
 T4 = GPU(
     name="NVIDIA T4 (16 GB, PCIe)",
     memory_bytes=16 * GiB,
-    usable_memory_bytes=15360 * MiB,
+    usable_memory_bytes=int(14.75 * GiB),
     fp32_flops=8.1e12,
     tf32_flops=None,
     fp16_flops=65e12,
@@ -95,7 +97,9 @@ T4 = GPU(
     mfu=0.213,
     sources=MappingProxyType({
         "memory_bytes": f"{T4_SHEET}: 'GPU Memory 16 GB GDDR6'; nvidia-smi shows 15360MiB with ECC on ({SMI_TOTALS}).",
-        "usable_memory_bytes": f"{SMI_TOTALS}: 'T4: 15360MiB (16.11 GB)'.",
+        "usable_memory_bytes": "CUDA's total: 'name: Tesla T4 ... deviceMemorySize: 14.75GiB' in a TensorFlow log "
+                               "quoted in https://github.com/NVIDIA/DALI/issues/1813 (nvidia-smi shows 15360MiB, "
+                               f"{SMI_TOTALS}).",
         "fp32_flops": f"{T4_SHEET}: 'Single-Precision 8.1 TFLOPS' (also composer's speed_monitor.py table).",
         "tf32_flops": "Not available: TF32 tensor cores arrived with Ampere; the Ampere In-Depth Table 1 lists "
                       "'Peak TF32 Tensor TFLOPS: NA' for the previous generation, and the T4 sheet lists none.",
@@ -113,7 +117,7 @@ T4 = GPU(
 A100_40GB = GPU(
     name="NVIDIA A100 40 GB (SXM4)",
     memory_bytes=40 * GiB,
-    usable_memory_bytes=40960 * MiB,
+    usable_memory_bytes=42405855232,
     fp32_flops=19.5e12,
     tf32_flops=156e12,
     fp16_flops=312e12,
@@ -122,9 +126,9 @@ A100_40GB = GPU(
     mfu=0.43,
     sources=MappingProxyType({
         "memory_bytes": f"{A100_SHEET}: 'Memory Size 40 GB' (HBM2, 5120-bit).",
-        "usable_memory_bytes": f"{SMI_TOTALS}: 'A100 40GB: 40960MiB'. CUDA's totalGlobalMem is lower: deviceQuery "
-                               "on an A100 40GB SXM4 node gives 40441 MBytes (42405855232 bytes), Paderborn PC2 "
-                               "docs 'NVIDIA A100 40GB with NVLINK'.",
+        "usable_memory_bytes": "CUDA's totalGlobalMem: deviceQuery on an A100 40GB SXM4 node gives 40441 MBytes "
+                               "(42405855232 bytes), Paderborn PC2 docs 'NVIDIA A100 40GB with NVLINK' "
+                               f"(nvidia-smi shows 40960MiB, {SMI_TOTALS}).",
         "fp32_flops": f"{A100_SHEET}: 'Peak FP32 TFLOPS 19.5'.",
         "tf32_flops": f"{A100_SHEET}: 'Peak TF32 Tensor TFLOPS 156/312' (dense/sparse).",
         "fp16_flops": f"{A100_SHEET}: 'Peak FP16 Tensor TFLOPS with FP32 Accumulate 312/624' (dense/sparse).",
@@ -148,7 +152,8 @@ H100_SXM = GPU(
     mfu=0.35,
     sources=MappingProxyType({
         "memory_bytes": f"{H100_SHEET}: 'GPU memory 80GB' (HBM3).",
-        "usable_memory_bytes": f"{SMI_TOTALS}: 'H100: 81559MiB (85.52 GB)'.",
+        "usable_memory_bytes": f"nvidia-smi's total, no CUDA figure found: {SMI_TOTALS}: 'H100: 81559MiB "
+                               "(85.52 GB)'. CUDA reports a few hundred MiB less, as on the T4 and the A100.",
         "fp32_flops": f"{H100_SHEET}: 'FP32 67 teraFLOPS'.",
         "tf32_flops": f"{H100_SHEET}: 'TF32 Tensor Core 989 teraFLOPS*' with sparsity; dense is half. Hopper "
                       "whitepaper gives 494.7 dense at its boost clock.",
