@@ -5,6 +5,7 @@ step train on stale weights without an error; distlab's optimizer refuses."""
 from __future__ import annotations
 
 from distlab.demos.fsdp_mistakes import run_all
+from distlab.results import read_result
 from distlab.testing import run_ranks, run_torchrun
 
 
@@ -27,3 +28,19 @@ def test_the_mistakes_entry_point_reports_the_drift_and_the_guard(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "(no error)" in run.stdout and "stale weights" in run.stdout
     assert (tmp_path / "fsdp-mistakes.json").exists()
+
+
+def test_the_essentials_an_optimizer_made_first_steps_nothing_meta_init_is_exact_and_clipping_sees_the_whole(tmp_path):
+    """distlab.demos.fsdp_essentials on 2 ranks: what the chapter prints, checked."""
+    job = run_torchrun(2, "distlab.demos.fsdp_essentials", "--out", str(tmp_path), timeout=240)
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
+    report = read_result(tmp_path / "fsdp-essentials.json")["metrics"]
+    first, after = report["optimizer_first"], report["optimizer_after"]
+    assert first["moved"] == 0 and len(set(first["losses"])) == 1  # the loss never moves
+    assert after["moved"] == after["parameters"] and after["losses"][-1] < after["losses"][0]
+    meta = report["meta"]
+    assert meta["largest_difference"] == 0.0 and 2 * meta["held_bytes"] == meta["whole_bytes"]
+    clip = report["clipping"]
+    assert abs(clip["torch_norm"] - clip["whole_norm"]) < 1e-5 * clip["whole_norm"]  # float32, summed apart
+    assert all(norm < clip["whole_norm"] for norm in clip["local_norm_by_rank"])
+    assert abs(clip["norm_after_clipping"] - 0.1) < 1e-5

@@ -20,7 +20,7 @@ from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, count_parameters
 from ..runtime import distributed
 from .harness import round_robin, summarize_times
-from .step import Trainee, observe_memory, token_batch
+from .step import Trainee, cuda_peaks, observe_memory, token_batch
 
 FSDP = ParallelConfig(strategy="fsdp")
 VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
@@ -33,6 +33,11 @@ VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
     ),
     "reshard_to_2": ("after forward, gathered over pairs of ranks", replace(FSDP, fsdp_reshard_to=2), False),
     "explicit_prefetch": ("explicit forward and backward prefetch", replace(FSDP, fsdp_prefetch="explicit"), False),
+    "prefetch_depth_2": (
+        "explicit prefetch, two units ahead",
+        replace(FSDP, fsdp_prefetch="explicit", fsdp_prefetch_depth=2),
+        False,
+    ),
     "checkpointing": ("activation checkpointing per block", FSDP, True),
     "bf16": ("bf16 parameters, fp32 gradient reduction", replace(FSDP, fsdp_param_dtype="bf16"), False),
     "offload": ("CPU offload of shards, gradients, optimizer state", replace(FSDP, fsdp_cpu_offload=True), False),
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             memory = observe_memory(trainee, tokens, targets, runtime)
             stats = summarize_times(times[name])
             row = {"variant": name, "change": VARIANTS[name][0], **stats, "times_s": times[name]}
+            if runtime.device.type == "cuda":
+                row["cuda_memory"] = cuda_peaks(trainee, tokens, targets, runtime)
             rows.append({**row, "memory": {"ranks": memory}})
             if runtime.is_main:
                 peak = max(rank["peak"] for rank in memory) / 2**20

@@ -54,7 +54,17 @@ class Trainee:
 
     Every trainee of a run starts from the same weights, materialised from one seed."""
 
-    def __init__(self, parallel: ParallelConfig, model_name: str, runtime, activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        model_name: str,
+        runtime,
+        activation_checkpointing: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        self.device = runtime.device
+        # Mixed precision as torch does it: forward and backward under autocast, the parameters kept in fp32.
+        self.autocast_dtype = autocast_dtype
         self.strategy = make_strategy(parallel)
         model = build_model(model_name, device="meta")
         if activation_checkpointing:
@@ -63,9 +73,15 @@ class Trainee:
         self.model = self.strategy.build(model, runtime, seed=0, sharded_init=True)
         self.optimizer = self.strategy.make_optimizer(self.model, lambda params: torch.optim.Adam(params, lr=1e-4))
 
+    def autocast(self):
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
-        logits = self.model(tokens)
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        with self.autocast():
+            logits = self.model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -100,6 +116,18 @@ def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = 
             {"event": s.event, "phase": s.phase, "total": s.total, **s.by_category} for s in tracker.timeline
         ]
     return gather_per_rank(mine, runtime)
+
+
+def cuda_peaks(trainee: Trainee, tokens: torch.Tensor, targets: torch.Tensor, runtime) -> list[dict] | None:
+    """One more step with CUDA's allocator counting: every rank's ``torch.cuda.max_memory_allocated`` and
+    ``max_memory_reserved`` over it (on rank 0), beside the course's own byte count."""
+    torch.cuda.synchronize(runtime.device)
+    torch.cuda.reset_peak_memory_stats(runtime.device)
+    trainee.step(tokens, targets)
+    torch.cuda.synchronize(runtime.device)
+    peaks = {"max_allocated": torch.cuda.max_memory_allocated(runtime.device)}
+    peaks["max_reserved"] = torch.cuda.max_memory_reserved(runtime.device)
+    return gather_per_rank(peaks, runtime)
 
 
 def main(argv: list[str] | None = None) -> None:

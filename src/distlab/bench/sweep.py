@@ -28,10 +28,10 @@ from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
 from ..predict.memory import expected_state_bytes, parameter_shapes, shard_unit_shapes
-from ..runtime import Runtime, distributed
+from ..runtime import LOW_PRECISION, Runtime, distributed, synchronize
 from . import shard_collectives
 from .harness import Progress, parse_sizes, round_robin, summarize_times
-from .step import Trainee, observe_memory, token_batch
+from .step import Trainee, cuda_peaks, observe_memory, token_batch
 
 VARIANTS = {
     "ddp": dict(strategy="ddp"),
@@ -59,6 +59,12 @@ class SweepConfig(BenchConfig):
     memory_fraction: float = option(
         0.6, "skip a preset whose strategies, all resident at once, would take more than this share of free memory"
     )
+    precision: str = option(
+        "fp32",
+        "fp32, or bf16 or fp16: every variant's forward and backward under autocast (parameters kept in fp32), "
+        "and ZeRO-3 and FSDP2 also gather their parameters in it (fp16 without a loss scaler: for timing only)",
+        choices=["fp32", "bf16", "fp16"],
+    )
 
     def validate(self) -> None:
         for name in self.models.split(","):
@@ -73,19 +79,30 @@ class LocalTrainee(Trainee):
     """The calibration: the same model and optimizer with no communication at all (every rank trains
     its own copy); forward + backward and the optimizer step are timed apart, for the cost model."""
 
-    def __init__(self, model_name: str, runtime: Runtime):
-        super().__init__(ParallelConfig(strategy="single"), model_name, runtime)
+    def __init__(self, model_name: str, runtime: Runtime, autocast_dtype: torch.dtype | None = None):
+        super().__init__(ParallelConfig(strategy="single"), model_name, runtime, autocast_dtype=autocast_dtype)
         self.compute_s: list[float] = []
         self.optimizer_s: list[float] = []
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        synchronize(self.device)  # a GPU runs behind the CPU: each clock reading waits for its kernels
         started = time.perf_counter()
-        F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten()).backward()
+        with self.autocast():
+            loss = F.cross_entropy(self.model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        synchronize(self.device)
         stepped = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
         self.compute_s.append(stepped - started)
         self.optimizer_s.append(time.perf_counter() - stepped)
+
+
+def variant_config(name: str, precision: str) -> ParallelConfig:
+    """A variant's parallel section; in low precision ZeRO-3 and FSDP2 gather and compute in it, reduce in fp32."""
+    low = precision != "fp32" and VARIANTS[name]["strategy"] in ("zero3", "fsdp")
+    return ParallelConfig(**VARIANTS[name], **({"fsdp_param_dtype": precision} if low else {}))
 
 
 def preset_parameters(model_name: str) -> int:
@@ -115,8 +132,10 @@ def available_bytes() -> int | None:
 def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress) -> dict:
     names = cfg.variants.split(",")
     tokens, targets = token_batch(model_name, cfg.seq_len, cfg.batch_size, runtime)
-    local = LocalTrainee(model_name, runtime)
-    trainees = {name: Trainee(ParallelConfig(**VARIANTS[name]), model_name, runtime) for name in names}
+    dtype = LOW_PRECISION.get(cfg.precision)
+    local = LocalTrainee(model_name, runtime, dtype)
+    trainees = {name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
+                for name in names}  # fmt: skip
     steps = {"local": lambda: local.step(tokens, targets)}
     steps |= {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
     work = preset_parameters(model_name)  # a step's cost grows about with the model
@@ -132,6 +151,7 @@ def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress
         rows.append(
             {"variant": name, **VARIANTS[name], **summarize_times(times[name]), "times_s": times[name]}
             | {"traffic": counted.summary(), "memory": {"ranks": memory}}
+            | ({"cuda_memory": cuda_peaks(trainee, tokens, targets, runtime)} if runtime.device.type == "cuda" else {})
         )
     units = shard_unit_shapes(local.model)
     local_memory = observe_memory(local, tokens, targets, runtime)

@@ -329,6 +329,11 @@ class DDPKnobsConfig(BenchConfig):
     uneven_batches: int = option(3, "batches of rank 0 in the uneven-inputs run; rank r has r more")
     uneven_without_join: bool = option(False, "run only the uneven inputs, without Join: ends when the timeout does")
     timeout_s: float = option(120.0, "seconds a collective may wait for its peers")
+    demos: str = option(
+        "",
+        "the demos to run, comma-separated (default: all): batch_norm, unused_parameters, "
+        "gradient_as_bucket_view, buffer_sync, comm_hooks, join",
+    )
 
 
 DEMOS = {"batch_norm": batch_norm, "unused_parameters": unused_parameters, "gradient_as_bucket_view": gradient_views}
@@ -342,8 +347,12 @@ def main(argv: list[str] | None = None) -> None:
             raise DistlabError("DDP's options show only across ranks: run with torchrun --nproc_per_node=2")
         if cfg.uneven_without_join:
             uneven_inputs(runtime, cfg, join=False)  # raises once the timeout has passed
+        chosen = [name for name in cfg.demos.split(",") if name] or list(DEMOS)
+        unknown = [name for name in chosen if name not in DEMOS]
+        if unknown:
+            raise DistlabError(f"unknown demo(s) {', '.join(unknown)}: choose from {', '.join(DEMOS)}")
         report = {}
-        for name, demo in DEMOS.items():
+        for name, demo in {name: DEMOS[name] for name in chosen}.items():
             started = time.perf_counter()
             report[name] = demo(runtime, cfg)
             runtime.log(f"{name:<24} {time.perf_counter() - started:5.1f} s")

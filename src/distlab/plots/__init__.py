@@ -9,6 +9,7 @@ hardware from the records' own environment:
   timelines and speed-ups;
 * :mod:`.memory`: memory along a step, state per rank, FSDP2's options; :mod:`.sweep`: the sweep and the cost
   model; :mod:`.ring_animation`: the ring all-reduce, hop by hop;
+* :mod:`.gpu_report`: a GPU report's bus bandwidth and its strategies against the cost model;
 * :mod:`.common`: labels, titles, animations as HTML.
 
 Every figure is re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and
@@ -20,6 +21,7 @@ May import: config, results, comm, predict.
 from .collectives import LINE_STYLES, plot_busbw, plot_shard_collectives, plot_time_model
 from .common import jshtml, run_label
 from .ddp import plot_step_times, plot_timeline
+from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
 from .streams import (
     STREAM_COLORS,
@@ -47,6 +49,8 @@ __all__ = [
     "run_label",
     "jshtml",
     "plot_step_times",
+    "plot_report_bandwidth",
+    "plot_report_sweep",
     "plot_timeline",
     "MEMORY_COLORS",
     "plot_memory_timeline",

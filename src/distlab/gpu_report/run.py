@@ -1,0 +1,240 @@
+"""Run every GPU path the course has, within a time budget, into one report folder.
+
+Each part is a benchmark or demo of the course run under torchrun with a time limit, writing its result file
+into the report folder: the same entry points the chapters and ``scripts/reproduce_results.sh`` use, with
+sizes that fit the GPUs found. :func:`plan` decides what runs with how many ranks, and says why anything
+does not; without a GPU every part that can runs on 2 gloo ranks on the CPU, so CI executes the same code.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..bench.sweep import VARIANTS, resident_bytes_per_rank
+from ..errors import DistlabError
+from ..labs.launch import torchrun
+from ..measure.hardware import nccl_settings, survey
+from ..plots.gpu_report import save_pictures
+from ..results import environment, read_result
+from . import schema, summary
+
+SWEEP_PRESETS = ("gpt-mini", "gpt-small", "gpt-medium")
+"""Presets the GPU sweep tries, smallest first; each runs where all its strategies fit at once in 40 % of a GPU."""
+FSDP_OPTIONS = ("fsdp", "explicit_prefetch", "prefetch_depth_2", "offload", "checkpointing")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One thing the report runs: ``target`` under torchrun on ``nproc`` ranks, writing ``<name>.json``; or,
+    with ``skip``, why it does not run here."""
+
+    name: str
+    what: str
+    target: str = ""
+    args: tuple[str, ...] = ()
+    nproc: int = 1
+    timeout_s: float = 120.0
+    skip: str = ""
+
+
+@dataclass
+class Machine:
+    """What the plan depends on: how many GPUs, how much memory each, and whether they do bf16."""
+
+    gpus: int
+    memory_bytes: int = 0
+    bf16: bool = False
+    names: list[str] = field(default_factory=list)
+
+    @classmethod
+    def here(cls) -> Machine:
+        if not torch.cuda.is_available():
+            return cls(0)
+        count = torch.cuda.device_count()
+        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        names = [torch.cuda.get_device_name(i) for i in range(count)]
+        return cls(count, memory, torch.cuda.is_bf16_supported(including_emulation=False), names)
+
+
+def sized_presets(machine: Machine) -> list[str]:
+    """The GPU sweep's presets: those whose every strategy, built at once, takes under 40 % of one GPU."""
+    names = list(VARIANTS)
+    return [p for p in SWEEP_PRESETS if resident_bytes_per_rank(p, names, machine.gpus) < 0.4 * machine.memory_bytes]
+
+
+def plan(machine: Machine, quick: bool = False) -> list[Part]:
+    """Every part, with its ranks and sizes for this machine (``quick``: the smallest that still runs each path).
+    Without a GPU the parts run on 2 gloo ranks in bf16 autocast, the GPU's code path, at CPU sizes."""
+    cuda, n = machine.gpus > 0, machine.gpus
+    ranks, device = (n, "cuda") if cuda else (2, "cpu")
+    one_gpu = "NCCL needs one GPU per rank, and this machine has one" if n == 1 else ""
+    precision = "fp16" if cuda and not machine.bf16 else "bf16"
+    presets = ",".join(sized_presets(machine) or ["gpt-mini"]) if cuda else "gpt-tiny"
+    variants = ",".join(FSDP_OPTIONS + (("bf16",) if machine.bf16 or not cuda else ()))
+    host = "--sizes 4MB --repeats 3" if quick else "--sizes 4MB,64MB --repeats 3"
+    sizes = "--sizes " + ("64KB:256MB" if cuda else "64KB:1MB" if quick else "64KB:16MB")
+    sizes += " --repeats " + ("10" if cuda else "3")
+    sweep = f"--models {presets} --precision {precision} " + (
+        "--batch-size 8 --seq-len 256 --steps 10 --warmup 2 --collective-sizes 1MB:64MB --collective-repeats 5"
+        if cuda
+        else "--steps 3 --warmup 1 --collective-sizes 64KB:1MB --collective-repeats 2"
+    )
+    options = f"--variants {variants} " + (
+        "--model gpt-small --seq-len 256 --steps 10 --warmup 2"
+        if cuda
+        else "--model gpt-tiny --seq-len 64 --steps 2 --warmup 1"
+    )
+    copies = "--sizes 64KB:256MB --repeats 5 --loader-epochs 0"
+
+    def part(name, what, target, args, nproc=ranks, timeout_s=240.0, skip=""):
+        where = () if target == "distlab.bench.host" else ("--device", device)
+        return Part(name, what, target, (*where, *args.split()), nproc, timeout_s, skip)
+
+    return [
+        part("host", "the host side of a copy: page-locking, staging copies (distlab.bench.host)",
+             "distlab.bench.host", host, nproc=1, timeout_s=120),
+        part("copies", "host-to-device copies: pageable, pinned, non_blocking, overlap with compute "
+             "(distlab.bench.transfer)", "distlab.bench.transfer", copies, nproc=1,
+             skip="" if cuda else "needs a CUDA device"),
+        part("collectives", "all-reduce, reduce-scatter and all-gather over sizes (distlab.bench.shard_collectives)",
+             "distlab.bench.shard_collectives", sizes, skip=one_gpu),
+        part("sweep", "DDP, ZeRO-1/2/3 and FSDP2 on GPT presets in mixed precision (distlab.bench.sweep)",
+             "distlab.bench.sweep", sweep, timeout_s=300),
+        part("fsdp-options", "FSDP2's prefetch depth 1 and 2, CPU offload, activation checkpointing "
+             "(distlab.bench.fsdp_options)", "distlab.bench.fsdp_options", options),
+        part("batch-norm", "BatchNorm, its statistics all-reduced, and SyncBatchNorm under DDP "
+             "(distlab.demos.ddp_knobs)", "distlab.demos.ddp_knobs", "--demos batch_norm", timeout_s=120,
+             skip=one_gpu and "DDP's BatchNorm case needs two ranks; " + one_gpu),
+    ]  # fmt: skip
+
+
+def not_run(machine: Machine) -> list[dict]:
+    """What no part can reach on this machine, and why: the rest of every GPU path runs on the CPU too."""
+    if machine.gpus == 0:
+        return [
+            {
+                "what": "torch.cuda.max_memory_allocated and max_memory_reserved per strategy "
+                "(distlab.bench.step.cuda_peaks)",
+                "reason": "they need a CUDA device",
+            },
+            {"what": "NCCL", "reason": "no GPU: the collectives, the sweep and FSDP2 ran on gloo"},
+            {
+                "what": "SyncBatchNorm training under DDP",
+                "reason": "DDP refuses SyncBatchNorm on CPU modules; the batch-norm part records that refusal",
+            },
+            {"what": "predictions from cited GPU specifications", "reason": "no GPU to compare them with"},
+        ]
+    if summary.system_for(machine.names) is None:
+        return [
+            {
+                "what": "predictions from cited GPU specifications",
+                "reason": f"the course cites T4, A100 40 GB and H100 SXM specifications, not {machine.names[0]}'s",
+            }
+        ]
+    return []
+
+
+def scrub(folder: Path) -> None:
+    """Take this machine's paths out of every text file: a report is shared."""
+    here = str(folder.resolve())
+    for path in folder.glob("*.json"):
+        text = path.read_text().replace(here, ".").replace(str(folder), ".")
+        path.write_text(schema.MACHINE_PATH.sub("<path>", text))
+
+
+def run_part(part: Part, folder: Path, seconds_left: float) -> dict:
+    """Run one part, at most ``seconds_left``; what happened, in the report's form."""
+    row = {"name": part.name, "what": part.what, "ranks": part.nproc, "files": []}
+    if part.skip:
+        return row | {"status": "skipped", "reason": part.skip}
+    if seconds_left < 15:
+        return row | {"status": "skipped", "reason": "the report's time budget was spent"}
+    started = time.perf_counter()
+    try:
+        torchrun(part.target, *part.args, "--out", str(folder), "--name", part.name, nproc=part.nproc, echo=False,
+                 timeout_s=min(part.timeout_s, seconds_left))  # fmt: skip
+    except DistlabError as err:  # it failed or ran out of time: the report says which, and goes on
+        return row | {"status": "failed", "reason": str(err), "seconds": round(time.perf_counter() - started, 1)}
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    result = folder / f"{part.name}.json"
+    if not result.is_file():
+        return row | {"status": "failed", "reason": f"{part.target} wrote no {result.name}"}
+    return row | {"status": "ran", "files": [result.name]}
+
+
+def summarize(folder: Path, parts: list[dict], machine: Machine) -> dict:
+    """The report's at-a-glance rows, from the result files that were written."""
+    system = summary.system_for(machine.names)
+    out = {}
+    for part in parts:
+        if part["status"] != "ran":
+            continue
+        record = read_result(folder / part["files"][0])
+        key = {"copies": "copies", "collectives": "collectives", "sweep": "sweep"}.get(part["name"])
+        key = key or {"fsdp-options": "fsdp_options", "batch-norm": "batch_norm"}.get(part["name"])
+        if key in ("collectives", "sweep"):
+            out[key] = summary.SUMMARIES[key](record, system)
+        elif key:
+            out[key] = summary.SUMMARIES[key](record)
+    return out
+
+
+def interconnect(facts: dict) -> str:
+    """GPU 0 to GPU 1 as ``nvidia-smi topo -m`` names it, and peer access; or why there is no link to name."""
+    if len(facts["gpus"]) < 2:
+        return "one GPU" if facts["gpus"] else "no GPU"
+    link = None
+    for line in (facts.get("topology") or "").splitlines():
+        cells = line.split()
+        if cells[:1] == ["GPU0"] and len(cells) > 2:
+            link = cells[2]
+    peer = "peer access" if facts["peer_access"][0][1] else "no peer access"
+    return f"{link or 'link unknown'} between GPU0 and GPU1, {peer}"
+
+
+def new_folder(out: Path, machine: Machine) -> Path:
+    """A fresh report folder under ``out``, named after the GPU, the count and the time."""
+    kind = re.sub(r"[^a-z0-9]+", "-", (machine.names[0] if machine.names else "cpu").lower()).strip("-")
+    folder = out / f"{kind}-{machine.gpus or 2}x-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def finish(folder: Path, machine: Machine, report: dict) -> Path:
+    """Write ``report.json`` with the machine's environment and the report's pictures, take out this machine's
+    paths, and check the folder as the book will (ValueError, in one line, if it fails)."""
+    facts = survey()
+    env = environment() | {"device_kind": "cuda" if machine.gpus else "cpu", "gpu_count": machine.gpus}
+    env |= {"interconnect": interconnect(facts), "dev_shm": facts["dev_shm"], "nccl_settings": nccl_settings()}
+    report = {"schema": schema.REPORT_SCHEMA, "environment": env | {"topology": facts["topology"]}, **report}
+    for pictures in (False, True):
+        if pictures:
+            report["pictures"] = save_pictures(schema.check(folder), folder)
+        (folder / schema.REPORT_FILE).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        scrub(folder)
+    schema.check(folder)
+    return folder
+
+
+def write_report(out: Path, contributor: str = "", budget_s: float = 600, quick: bool = False) -> Path:
+    """Run every part into a new folder under ``out``; write ``report.json`` and its pictures; check it."""
+    machine = Machine.here()
+    folder = new_folder(out, machine)
+    deadline = time.perf_counter() + budget_s
+    parts = []
+    for part in plan(machine, quick):
+        print(f"gpu_report: {part.name}: {part.skip or part.what}", flush=True)
+        parts.append(run_part(part, folder, deadline - time.perf_counter()))
+        if parts[-1]["status"] == "failed":
+            print(f"gpu_report: {part.name} failed: {parts[-1]['reason']}", flush=True)
+    scrub(folder)
+    report = {"contributor": contributor or None, "ranks": machine.gpus or 2, "budget_s": budget_s, "parts": parts}
+    report |= {"not_run": not_run(machine), "summary": summarize(folder, parts, machine)}
+    return finish(folder, machine, report)

@@ -1,0 +1,279 @@
+"""What a GPU report holds, the check it must pass before the book shows it, and the markdown the book prints.
+
+A report is a folder: ``report.json`` (this schema), the result files of what ran (each a distlab result
+with its environment), and pictures. :func:`problems` lists everything wrong with one, in one line each;
+:func:`read_reports` reads the valid reports under a folder (``book/results/gpu``) and refuses an invalid one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ..plots.gpu_report import report_label as label
+from ..results import SCHEMA as RESULT_SCHEMA
+
+REPORT_SCHEMA = "distlab.gpu_report/1"
+REPORT_FILE = "report.json"
+STATUSES = ("ran", "skipped", "failed")
+ENVIRONMENT_KEYS = ("torch", "python", "gpus", "device_kind", "cuda", "nccl", "date", "gpu_count")
+LARGEST_FILE = 8 * 2**20
+LARGEST_REPORT = 32 * 2**20
+LARGEST_NUMBER = 1e18
+MACHINE_PATH = re.compile(r"(/home/|/root/|/Users/|/kaggle/|/tmp/|/var/folders/|/private/|[A-Za-z]:\\)[^\s\"']*")
+"""A path that names someone's machine: a report is shared, and its files must not carry one."""
+TEXT_SUFFIXES = (".json", ".md", ".txt")
+
+
+def _numbers(value: Any, where: str):
+    """Every number in a JSON value, with where it is."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{where}[{index}]")
+
+
+def _load(path: Path) -> Any:
+    """JSON, with NaN and Infinity refused (Python's json would accept them)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not a measurement")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _file_problems(folder: Path, name: str) -> list[str]:
+    path = folder / name
+    if "/" in name or "\\" in name or name.startswith("."):
+        return [f"{name}: a report's files sit in its folder, by plain name"]
+    if not path.is_file():
+        return [f"{name}: listed in {REPORT_FILE} but missing"]
+    if path.stat().st_size > LARGEST_FILE:
+        return [f"{name}: {path.stat().st_size:,} bytes, more than {LARGEST_FILE:,}"]
+    if path.suffix != ".json":
+        return []
+    try:
+        record = _load(path)
+    except ValueError as err:
+        return [f"{name}: not JSON a report may hold ({err})"]
+    if record.get("schema") != RESULT_SCHEMA or "environment" not in record:
+        return [f"{name}: not a distlab result file (schema {RESULT_SCHEMA!r} with its environment)"]
+    return [f"{name}: {where} = {number}" for where, number in _numbers(record, "") if not _sane(number)][:3]
+
+
+def _sane(number: float) -> bool:
+    return math.isfinite(number) and abs(number) < LARGEST_NUMBER
+
+
+def problems(folder: str | Path) -> list[str]:
+    """Everything that keeps a report folder from the book, one line each (empty: valid). Checked: the schema,
+    the environment (versions, GPUs, date), each part's status and reason, every file listed (present, small,
+    a distlab result with its environment, numbers finite and of sane size), and no machine path anywhere."""
+    folder = Path(folder)
+    try:
+        report = _load(folder / REPORT_FILE)
+    except FileNotFoundError:
+        return [f"{folder.name}: no {REPORT_FILE}"]
+    except ValueError as err:
+        return [f"{folder.name}/{REPORT_FILE}: not JSON a report may hold ({err})"]
+    found = []
+    if report.get("schema") != REPORT_SCHEMA:
+        found.append(f"{REPORT_FILE}: schema is {report.get('schema')!r}, not {REPORT_SCHEMA!r}")
+    environment = report.get("environment") or {}
+    found += [f"{REPORT_FILE}: environment has no {key!r}" for key in ENVIRONMENT_KEYS if key not in environment]
+    parts = report.get("parts")
+    if not isinstance(parts, list) or not parts:
+        found.append(f"{REPORT_FILE}: no parts")
+        parts = []
+    for part in parts:
+        name = part.get("name", "?")
+        if part.get("status") not in STATUSES:
+            found.append(f"part {name}: status {part.get('status')!r}, not one of {', '.join(STATUSES)}")
+        if part.get("status") != "ran" and not part.get("reason"):
+            found.append(f"part {name}: {part.get('status')} without a reason")
+        for file in part.get("files", []):
+            found += _file_problems(folder, file)
+    found += [f"{REPORT_FILE}: {where} = {n}" for where, n in _numbers(report, "") if not _sane(n)][:3]
+    total = 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        total += path.stat().st_size
+        if path.suffix in TEXT_SUFFIXES and path.stat().st_size <= LARGEST_FILE:
+            match = MACHINE_PATH.search(path.read_text(errors="replace"))
+            if match:
+                found.append(f"{path.relative_to(folder)}: a machine path, {match.group(0)[:60]!r}")
+    if total > LARGEST_REPORT:
+        found.append(f"the folder holds {total:,} bytes, more than {LARGEST_REPORT:,}")
+    return found
+
+
+def check(folder: str | Path) -> dict:
+    """The report in ``folder``, or ValueError with every problem in one line."""
+    found = problems(folder)
+    if found:
+        raise ValueError(f"{Path(folder).name} is not a valid GPU report: " + "; ".join(found))
+    return _load(Path(folder) / REPORT_FILE) | {"folder": Path(folder)}
+
+
+def read_reports(root: str | Path) -> list[dict]:
+    """Every report folder under ``root``, checked, oldest first; none if ``root`` does not exist."""
+    root = Path(root)
+    folders = sorted(p.parent for p in root.glob(f"*/{REPORT_FILE}")) if root.is_dir() else []
+    return sorted((check(folder) for folder in folders), key=lambda report: report["environment"]["date"])
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+NO_REPORT = (
+    "No GPU report is committed yet: run `python -m distlab.gpu_report` on a machine with GPUs and add its "
+    "folder under `book/results/gpu/` (the section below says how)."
+)
+
+
+def reports_markdown(reports: list[dict]) -> str:
+    """One row per report: what it ran on, its versions, when, and who ran it if they said."""
+    if not reports:
+        return NO_REPORT
+    rows = []
+    for report in reports:
+        env = report["environment"]
+        rows.append(
+            [
+                label(report),
+                env.get("interconnect") or "unknown",
+                env["torch"],
+                env["cuda"] or "none",
+                env["nccl"] or "none",
+                env["date"][:10],
+                report.get("contributor") or "not given",
+            ]
+        )
+    return _table(["measured on", "interconnect", "torch", "CUDA", "NCCL", "date", "run by"], rows)
+
+
+def report_markdown(report: dict) -> str:
+    """One report: each strategy measured against the course's models, the collectives' bus bandwidth, the
+    copies, and what did not run and why. Every number is labelled with the hardware it was measured on."""
+    summary, where = report.get("summary", {}), label(report)
+    blocks = [f"**Measured on {where}** ({report['environment']['date'][:10]})"]
+    sweep = summary.get("sweep", [])
+    if sweep:
+        rows = [
+            [
+                r["model"],
+                r["variant"],
+                r["ranks"],
+                f"{1e3 * r['measured_s']:.1f}",
+                f"{1e3 * r['model_s']:.1f}",
+                f"{100 * r['error']:+.0f} %",
+                _range(r.get("predicted_s")),
+                _mib(r.get("counted_peak")),
+                _mib(r.get("cuda_max_allocated")),
+                _mib(r.get("cuda_max_reserved")),
+            ]
+            for r in sweep
+        ]
+        blocks.append(
+            _table(
+                [
+                    "preset",
+                    "strategy",
+                    "ranks",
+                    "measured ms",
+                    "model ms (its own calibration)",
+                    "error",
+                    "PREDICTED ms from cited specs",
+                    "counted MiB",
+                    "CUDA max allocated MiB",
+                    "CUDA max reserved MiB",
+                ],
+                rows,
+            )
+        )
+    collectives = summary.get("collectives", [])
+    if collectives:
+        rows = [
+            [
+                c["collective"],
+                c["impl"],
+                _size(c["bytes"]),
+                f"{c['busbw_GBps']:.2f}",
+                f"{c['fit_bus_GBps']:.2f}",
+                f"{1e6 * c['fit_alpha_s']:.1f}",
+                c.get("cited_busbw_GBps") or "none",
+            ]
+            for c in collectives
+        ]
+        blocks.append(
+            _table(
+                [
+                    "collective",
+                    "implementation",
+                    "largest size",
+                    "bus GB/s there",
+                    "alpha-beta fit, GB/s",
+                    "fit alpha, us",
+                    "cited for this GPU, GB/s",
+                ],
+                rows,
+            )
+        )
+    copies = summary.get("copies", [])
+    if copies:
+        rows = [[c["direction"], c["mode"], _size(c["bytes"]), f"{c['GBps']:.2f}"] for c in copies]
+        blocks.append(_table(["copy", "memory", "size", "GB/s"], rows))
+    options = summary.get("fsdp_options", [])
+    if options:
+        rows = [
+            [
+                o["variant"],
+                o["change"],
+                f"{1e3 * o['time_s']:.1f}",
+                f"{o['vs_default']:.2f}x",
+                _mib(o.get("cuda_max_allocated")),
+            ]
+            for o in options
+        ]
+        blocks.append(
+            _table(["FSDP2 option", "what changes", "step ms", "vs defaults", "CUDA max allocated MiB"], rows)
+        )
+    batch_norm = summary.get("batch_norm", {})
+    if batch_norm:
+        rows = [[name, _difference(row)] for name, row in batch_norm.items()]
+        blocks.append(_table(["under DDP", "against one process on the whole batch"], rows))
+    skipped = [part for part in report["parts"] if part["status"] != "ran"] + report.get("not_run", [])
+    if skipped:
+        blocks.append("Not run: " + "; ".join(f"{p.get('name') or p.get('what')} ({p['reason']})" for p in skipped))
+    return "\n\n".join(blocks)
+
+
+def _difference(row: dict) -> str:
+    if "ddp_error" in row:
+        return f"refused: {row['ddp_error']}"
+    same = "equal within tolerance" if row["equal_within_tolerance"] else "differs"
+    return (
+        f"{same}: weights {row['weights_max_abs_diff']:.1e}, running statistics {row['running_stats_max_abs_diff']:.1e}"
+    )
+
+
+def _range(values: list[float] | None) -> str:
+    return "none for this GPU" if not values else f"{1e3 * values[0]:.1f}-{1e3 * values[1]:.1f}"
+
+
+def _mib(value: float | None) -> str:
+    return "not measured" if value is None else f"{value / 2**20:.1f}"
+
+
+def _size(value: int) -> str:
+    return f"{value / 2**20:.0f} MiB" if value >= 2**20 else f"{value / 2**10:.0f} KiB"

@@ -1,0 +1,118 @@
+"""What a GPU report says at a glance, computed from the result files it holds.
+
+Each function reads one result file's record and returns rows for ``report.json``'s ``summary``: the
+collectives' bus bandwidth with their alpha-beta fit (the form the cost model uses) and the bus bandwidth
+the course cites for this GPU, if any; host-to-device copy bandwidth; every strategy of the sweep against
+the course's cost model, calibrated on the same run, and against the cost model run on cited specifications
+where the course has them for this GPU; FSDP2's options against its defaults; BatchNorm against SyncBatchNorm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..predict import costmodel, gpu_predictions
+from ..predict.gpu_specs import SYSTEMS, System
+
+MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3")}
+"""What a GPU's name must contain for the course's cited system to describe it: an A100 80 GB or an H100 PCIe
+differs from the cited one, and an H200 is not an H100."""
+
+
+def system_for(gpus: list[str]) -> System | None:
+    """The course's cited system whose GPU these are, or None: no prediction from another GPU's figures."""
+    if not gpus:
+        return None
+    name = gpus[0].replace(" ", "")
+    return next((SYSTEMS[key] for key, parts in MATCHES.items() if all(p in name for p in parts)), None)
+
+
+def collectives(record: dict, system: System | None) -> list[dict]:
+    """The largest size of each collective and implementation, with the fit over all sizes."""
+    rows = record["metrics"]
+    fits = costmodel.fit_collectives(rows)
+    cited = None if system is None else {"all_reduce": system.allreduce_busbw, "all_gather": system.gather_busbw}
+    out = []
+    for (collective, impl), fit in fits.items():
+        largest = max((r for r in rows if (r["collective"], r["impl"]) == (collective, impl)), key=lambda r: r["bytes"])
+        n = record["environment"]["world_size"]
+        bus = costmodel.RING_FACTOR[collective](n) / fit.beta_s_per_byte / 1e9 if fit.beta_s_per_byte else None
+        out.append(
+            {
+                "collective": collective,
+                "impl": impl,
+                "bytes": largest["bytes"],
+                "busbw_GBps": largest["busbw_GBps"],
+                "fit_alpha_s": fit.alpha_s,
+                "fit_bus_GBps": bus or 0.0,
+                "cited_busbw_GBps": None if cited is None else cited.get(collective, system.gather_busbw) / 1e9,
+            }
+        )
+    return out
+
+
+def copies(record: dict) -> list[dict]:
+    """Rank 0's host-to-device and device-to-host bandwidth at the largest size, pageable and pinned."""
+    rows = record["metrics"]["ranks"][0]["bandwidth"]
+    largest = max(r["bytes"] for r in rows)
+    keep = ("bytes", "direction", "mode", "GBps")
+    return [{k: r[k] for k in keep} for r in rows if r["bytes"] == largest]
+
+
+def sweep(record: dict, system: System | None) -> list[dict]:
+    """Every point of the sweep: measured, the cost model calibrated on this run (no overlap: it is the
+    no-overlap end), the cited-specification range where the course has this GPU, the bytes the course
+    counts at the peak, and CUDA's own counters."""
+    n = record["environment"]["world_size"]
+    by_point = {(r["model"], r["variant"]): r for r in costmodel.evaluate(record)}
+    out = []
+    for preset in record["metrics"]["presets"]:
+        for row in preset["variants"]:
+            point = by_point[preset["model"], row["variant"]]
+            cuda = row.get("cuda_memory") or []
+            predicted = None
+            if system is not None and row["variant"] in gpu_predictions.VARIANTS:
+                guess = gpu_predictions.predict(
+                    system, preset["model"], row["variant"], n, preset["tokens_per_rank"], preset["seq_len"]
+                )
+                predicted = [guess["step_s_best_overlap"], guess["step_s_no_overlap"]]
+            out.append(
+                {
+                    "model": preset["model"],
+                    "variant": row["variant"],
+                    "ranks": n,
+                    "measured_s": row["time_s"],
+                    "model_s": point["predicted_s"],
+                    "error": point["time_error"],
+                    "predicted_s": predicted,
+                    "counted_peak": point["measured_peak"],
+                    "cuda_max_allocated": max((r["max_allocated"] for r in cuda), default=None),
+                    "cuda_max_reserved": max((r["max_reserved"] for r in cuda), default=None),
+                }
+            )
+    return out
+
+
+def fsdp_options(record: dict) -> list[dict]:
+    """Each FSDP2 option's step against the defaults', and CUDA's peak where it counted one."""
+    rows = record["metrics"]["variants"]
+    base = next((r for r in rows if r["variant"] == "fsdp"), rows[0])
+    return [
+        {
+            "variant": r["variant"],
+            "change": r["change"],
+            "time_s": r["time_s"],
+            "vs_default": r["time_s"] / base["time_s"],
+            "cuda_max_allocated": max((m["max_allocated"] for m in r.get("cuda_memory") or []), default=None),
+        }
+        for r in rows
+    ]
+
+
+def batch_norm(record: dict) -> dict[str, Any]:
+    """BatchNorm, its statistics all-reduced, and SyncBatchNorm under DDP against one process on the whole batch."""
+    return record["metrics"]["batch_norm"]
+
+
+SUMMARIES = {"collectives": collectives, "copies": copies, "sweep": sweep, "fsdp_options": fsdp_options}
+SUMMARIES |= {"batch_norm": batch_norm}

@@ -1,0 +1,165 @@
+"""``python -m distlab.gpu_report``: run here on the CPU (what CI runs), its report checked, broken on purpose, and
+shown by the book's page with none, one and several reports. Without a GPU every part that can runs on gloo
+ranks, and what cannot is listed with its reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distlab.gpu_report import schema
+from distlab.gpu_report.run import Machine, plan, sized_presets
+from distlab.gpu_report.summary import system_for
+from distlab.results import committed_results
+
+GIB = 2**30
+T4_PAIR = Machine(2, int(14.75 * GIB), False, ["Tesla T4", "Tesla T4"])
+ONE_H100 = Machine(1, 79 * GIB, True, ["NVIDIA H100 80GB HBM3"])
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu-reports")
+    command = [sys.executable, "-m", "distlab.gpu_report", "--out", str(out), "--quick", "--contributor", "CI"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "passed the book's check" in done.stdout and "book/results/gpu/" in done.stdout
+    (folder,) = [p for p in out.iterdir() if p.is_dir()]
+    return folder
+
+
+def test_the_cpu_run_is_a_valid_report_that_says_what_it_skipped(cpu_report):
+    assert schema.problems(cpu_report) == []
+    report = schema.check(cpu_report)
+    status = {part["name"]: part["status"] for part in report["parts"]}
+    assert status == {"host": "ran", "copies": "skipped", "collectives": "ran", "sweep": "ran",
+                      "fsdp-options": "ran", "batch-norm": "ran"}  # fmt: skip
+    assert "CUDA" in next(p["reason"] for p in report["parts"] if p["name"] == "copies")
+    assert any("cuda_peaks" in item["what"] for item in report["not_run"])
+    assert report["environment"]["device_kind"] == "cpu" and report["contributor"] == "CI"
+    assert "no GPU" in schema.label(report)
+    sweep = report["summary"]["sweep"]
+    assert {row["variant"] for row in sweep} == {"ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-no-reshard"}
+    assert all(row["model_s"] > 0 and row["predicted_s"] is None for row in sweep)  # no GPU, no cited prediction
+    options = {row["variant"] for row in report["summary"]["fsdp_options"]}
+    assert {"prefetch_depth_2", "offload", "checkpointing"} <= options
+    collectives = {row["collective"] for row in report["summary"]["collectives"]}
+    assert collectives == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert "SyncBatchNorm" in report["summary"]["batch_norm"]
+    assert set(report["pictures"]) == {"bandwidth.png", "sweep.png"}
+
+
+def test_every_gpu_path_runs_here_on_gloo_except_what_needs_cuda_itself():
+    """The GPU plan's entry points are the CPU plan's, but the host-to-device copies, which the CPU report lists."""
+    on_gpus = {part.target for part in plan(T4_PAIR) if not part.skip}
+    on_cpu = {part.target for part in plan(Machine(0)) if not part.skip}
+    assert on_gpus - on_cpu == {"distlab.bench.transfer"}
+    assert all(part.nproc == 2 for part in plan(Machine(0)) if not part.skip and part.target != "distlab.bench.host")
+    assert all("bf16" in part.args for part in plan(Machine(0)) if part.name == "sweep")  # the GPU's autocast path
+
+
+def test_a_t4_pair_runs_fp16_and_one_gpu_skips_what_needs_two_ranks():
+    t4 = {part.name: part for part in plan(T4_PAIR)}
+    assert "fp16" in t4["sweep"].args and "bf16" not in ",".join(t4["fsdp-options"].args)
+    assert t4["collectives"].nproc == 2 and not t4["collectives"].skip
+    one = {part.name: part for part in plan(ONE_H100)}
+    assert "one GPU per rank" in one["collectives"].skip and "two ranks" in one["batch-norm"].skip
+    assert one["sweep"].nproc == 1 and "bf16" in one["sweep"].args
+    assert sized_presets(T4_PAIR) == ["gpt-mini"]  # gpt-small's six strategies, built at once, take over 40 %
+    assert sized_presets(ONE_H100) == ["gpt-mini", "gpt-small"]
+    assert sized_presets(Machine(1, 140 * GIB, True, ["NVIDIA H200"]))[-1] == "gpt-medium"
+
+
+@pytest.mark.parametrize(
+    "name, system",
+    [("Tesla T4", "T4x2"), ("NVIDIA A100-SXM4-40GB", "A100x2"), ("NVIDIA H100 80GB HBM3", "H100x8"),
+     ("NVIDIA A100-SXM4-80GB", None), ("NVIDIA H200", None), ("NVIDIA H100 PCIe", None)],
+)  # fmt: skip
+def test_a_gpu_is_predicted_only_with_its_own_cited_figures(name, system):
+    found = system_for([name])
+    assert (found.name if found else None) == (None if system is None else system_for_key(system))
+
+
+def system_for_key(key: str) -> str:
+    from distlab.predict.gpu_specs import SYSTEMS
+
+    return SYSTEMS[key].name
+
+
+def _copy(report: Path, root: Path, name: str) -> Path:
+    return Path(shutil.copytree(report, root / name))
+
+
+def _replace(folder: Path, file: str, old: str, new: str) -> None:
+    path = folder / file
+    path.write_text(path.read_text().replace(old, new, 1))
+
+
+def _edit(folder: Path, file: str, change) -> None:
+    path = folder / file
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "breakage, says",
+    [
+        (lambda f: _edit(f, "sweep.json", lambda r: r["config"].update(out="/home/alice/runs")), "machine path"),
+        (lambda f: _edit(f, "report.json", lambda r: r["environment"].pop("torch")), "no 'torch'"),
+        (lambda f: _replace(f, "sweep.json", '"time_s": ', '"time_s": NaN, "x": '), "NaN"),
+        (lambda f: (f / "collectives.json").unlink(), "missing"),
+        (lambda f: (f / "host.json").write_bytes(b" " * (schema.LARGEST_FILE + 1)), "more than"),
+        (lambda f: _edit(f, "report.json", lambda r: r["parts"][0].update(status="failed", reason="")), "a reason"),
+        (lambda f: _edit(f, "fsdp-options.json", lambda r: r.pop("environment")), "not a distlab result"),
+        (lambda f: _edit(f, "report.json", lambda r: r.update(schema="something/1")), "schema"),
+    ],
+)  # fmt: skip
+def test_a_broken_report_is_refused_in_one_line_that_says_why(cpu_report, tmp_path, breakage, says):
+    folder = _copy(cpu_report, tmp_path, "broken")
+    breakage(folder)
+    found = schema.problems(folder)
+    assert any(says in problem for problem in found), found
+    with pytest.raises(ValueError, match="not a valid GPU report") as refused:
+        schema.check(folder)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_page_with_no_report_one_and_several(cpu_report, tmp_path):
+    assert schema.read_reports(tmp_path / "nowhere") == []
+    assert schema.reports_markdown([]) == schema.NO_REPORT
+    root = tmp_path / "gpu"
+    _copy(cpu_report, root, "first")
+    (one,) = schema.read_reports(root)
+    table = schema.reports_markdown([one])
+    assert table.count("\n") == 2 and "no GPU" in table and "CI" in table
+    page = schema.report_markdown(one)
+    assert page.startswith("**Measured on CPU") and "Not run:" in page and "copies (needs a CUDA device)" in page
+    later = _copy(cpu_report, root, "second")
+    _edit(later, "report.json", lambda r: r["environment"].update(date="2999-01-01T00:00:00+00:00"))
+    several = schema.read_reports(root)
+    assert [r["folder"].name for r in several] == ["first", "second"]
+    assert schema.reports_markdown(several).count("\n") == 3
+
+
+def test_every_committed_report_passes_the_check():
+    schema.read_reports(committed_results("gpu"))  # refuses the first invalid one, naming why
+
+
+def test_a_labs_results_become_a_checked_report_and_nothing_to_report_says_so(cpu_report, tmp_path, capsys):
+    from distlab.gpu_report.lab import report_from_results
+
+    results = tmp_path / "results"
+    results.mkdir()
+    assert report_from_results(results, lab="lab_fsdp", out=tmp_path / "reports") is None
+    assert "no result file" in capsys.readouterr().out
+    shutil.copy(cpu_report / "sweep.json", results / "gpt-tiny-fsdp.json")
+    (results / "hardware.json").write_text('{"gpus": []}')  # not a result file: left out
+    folder = report_from_results(results, lab="lab_fsdp", out=tmp_path / "reports")
+    report = schema.check(folder)
+    assert report["parts"][0]["files"] == ["gpt-tiny-fsdp.json"] and "CPU" in capsys.readouterr().out
