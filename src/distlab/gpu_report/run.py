@@ -174,15 +174,9 @@ def summarize(folder: Path, parts: list[dict], machine: Machine) -> dict:
     system = summary.system_for(machine.names)
     out = {}
     for part in parts:
-        if part["status"] != "ran":
-            continue
-        record = read_result(folder / part["files"][0])
-        key = {"copies": "copies", "collectives": "collectives", "sweep": "sweep"}.get(part["name"])
-        key = key or {"fsdp-options": "fsdp_options", "batch-norm": "batch_norm"}.get(part["name"])
-        if key in ("collectives", "sweep"):
-            out[key] = summary.SUMMARIES[key](record, system)
-        elif key:
-            out[key] = summary.SUMMARIES[key](record)
+        key = part["name"].replace("-", "_")  # the summary a part has, if any, is named after it
+        if part["status"] == "ran" and key in summary.SUMMARIES:
+            out[key] = summary.SUMMARIES[key](read_result(folder / part["files"][0]), system)
     return out
 
 

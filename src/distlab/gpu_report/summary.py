@@ -51,7 +51,7 @@ def collectives(record: dict, system: System | None) -> list[dict]:
     return out
 
 
-def copies(record: dict) -> list[dict]:
+def copies(record: dict, system: System | None) -> list[dict]:
     """Rank 0's host-to-device and device-to-host bandwidth at the largest size, pageable and pinned."""
     rows = record["metrics"]["ranks"][0]["bandwidth"]
     largest = max(r["bytes"] for r in rows)
@@ -93,7 +93,7 @@ def sweep(record: dict, system: System | None) -> list[dict]:
     return out
 
 
-def fsdp_options(record: dict) -> list[dict]:
+def fsdp_options(record: dict, system: System | None) -> list[dict]:
     """Each FSDP2 option's step against the defaults', and CUDA's peak where it counted one."""
     rows = record["metrics"]["variants"]
     base = next((r for r in rows if r["variant"] == "fsdp"), rows[0])
@@ -109,10 +109,12 @@ def fsdp_options(record: dict) -> list[dict]:
     ]
 
 
-def batch_norm(record: dict) -> dict[str, Any]:
+def batch_norm(record: dict, system: System | None) -> dict[str, Any]:
     """BatchNorm, its statistics all-reduced, and SyncBatchNorm under DDP against one process on the whole batch."""
     return record["metrics"]["batch_norm"]
 
 
 SUMMARIES = {"collectives": collectives, "copies": copies, "sweep": sweep, "fsdp_options": fsdp_options}
 SUMMARIES |= {"batch_norm": batch_norm}
+"""A part's name (``-`` as ``_``) -> its summary: each takes the part's result record and the course's cited system
+for this GPU (None where there is none; only the collectives and the sweep compare with it)."""
