@@ -1,0 +1,376 @@
+"""The notebook side of a check: ship the learner's function to real ranks, bound them in time, and answer.
+
+``check("ring_reduce_scatter", my_ring_reduce_scatter)`` starts the exercise's ranks (gloo on the CPU, or one
+rank per GPU with NCCL when the machine has two or more), each of which runs the learner's function against
+the library's answer (:mod:`.trial`). It waits at most ``timeout_s`` for them, then stops whatever still runs,
+and prints one answer: right, or the first thing that went wrong, which rank, which case, how far off, and
+the mistake it looks like. It never prints a traceback from inside torch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import DistlabError
+from .catalog import Exercise, all_exercises, get
+from .source import is_stub, module_source
+from .trial import RECEIVES, rank_main
+
+START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
+PRELOADED = ["torch", "torch.distributed", "distlab.exercises.trial", "distlab.runtime"]
+STARTUP_S = 180.0
+"""How long the ranks may take to start (the first check starts a server that imports torch once)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check found. ``status``: passed, wrong, raised, stuck, died, not_filled, refused, grader."""
+
+    exercise: str
+    status: str
+    message: str
+    mistake: str | None = None
+    ranks: int = 0
+    device: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> None:
+    """Grade ``fn`` as exercise ``name`` on real ranks and print the answer (see :func:`grade`)."""
+    print(grade(name, fn, ranks=ranks, device=device, timeout_s=timeout_s).message, flush=True)
+
+
+def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> Verdict:
+    """Run exercise ``name`` with ``fn`` on ``ranks`` ranks (the exercise's default when None) on ``device``
+    (``auto``: one rank per GPU with NCCL on a machine with two or more GPUs, else gloo on the CPU); every
+    rank must finish within ``timeout_s`` seconds of starting."""
+    try:
+        exercise = get(name)
+        if is_stub(fn):
+            return _not_filled(exercise, fn)
+        source, fn_name = module_source(fn)
+        device, world = _placement(exercise, ranks, device)
+    except DistlabError as err:
+        return Verdict(name, "refused", f"✗ {name}: {err}")
+    workdir = Path(tempfile.mkdtemp(prefix=f"distlab-{name}-"))
+    try:
+        (workdir / "solution.py").write_text(source)
+        reports, traces, died = _run_ranks(exercise, workdir, fn_name, world, device, timeout_s)
+        return _verdict(exercise, reports, traces, died, world, device, timeout_s)
+    except DistlabError as err:
+        return Verdict(name, "grader", f"✗ {name}: {err}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def solutions_pass(page: str) -> list[str]:
+    """Grade the solution of every exercise that ``page`` ends with (what the book's build runs): the names
+    graded; DistlabError with the verdicts if one fails."""
+    exercises = [e for e in all_exercises().values() if page in (e.page, *e.pages)]
+    if not exercises:
+        raise DistlabError(f"no exercise ends page {page!r}")
+    failed = [v for v in (grade(e.name, e.solution_function()) for e in exercises) if not v.passed]
+    if failed:
+        raise DistlabError("a solution fails its own check:\n" + "\n".join(v.message for v in failed))
+    return [e.name for e in exercises]
+
+
+def _not_filled(exercise: Exercise, fn) -> Verdict:
+    message = (
+        f"✎ {exercise.name}: `{fn.__name__}` is still the empty stub. {exercise.task} "
+        f"Write its body in the cell above, run that cell, then run this one again."
+    )
+    return Verdict(exercise.name, "not_filled", message)
+
+
+def _placement(exercise: Exercise, ranks: int | None, device: str) -> tuple[str, int]:
+    world = exercise.ranks if ranks is None else ranks
+    if world < 1:
+        raise DistlabError(f"ranks must be 1 or more, not {world}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if gpus >= 2 or (gpus == 1 and world == 1) else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise DistlabError(f"device must be auto, cpu or cuda, not {device!r}")
+    if device == "cuda":
+        if gpus == 0:
+            raise DistlabError("device='cuda' but this machine has no usable GPU: use device='cpu' (gloo)")
+        if ranks is None:
+            world = min(world, gpus) if world > 1 else 1
+            world = max(world, min(2, exercise.ranks))
+        if world > gpus:
+            raise DistlabError(f"NCCL needs one GPU per rank and this machine has {gpus}: pass ranks={gpus}")
+    return device, world
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    context = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        context.set_forkserver_preload(PRELOADED)  # read once, when the server starts
+    return context
+
+
+@contextmanager
+def _main_script_left_behind():
+    """A rank needs nothing of the caller's ``__main__``; started from a script, multiprocessing would run that
+    script again in each rank (and a ``check`` at its top level again), so its path is hidden while they start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) if getattr(main, "__spec__", None) is None else None
+    if path is not None:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if path is not None:
+            main.__file__ = path
+
+
+def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, timeout_s: float):
+    """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
+    stop what is left. Returns each rank's report (None if it wrote none), its traced calls, and whether any
+    rank ended on its own without a report (rank -> exit code)."""
+    context, port = _context(), _free_port()
+    processes = [
+        context.Process(
+            target=rank_main,
+            args=(
+                exercise.name,
+                str(workdir / "solution.py"),
+                fn_name,
+                rank,
+                world,
+                port,
+                str(workdir),
+                device,
+                timeout_s,
+            ),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    with _main_script_left_behind():
+        for process in processes:
+            process.start()
+    started = time.monotonic()
+    deadline = started + STARTUP_S  # until every rank has started
+    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+        if all((workdir / f"rank{r}.started").exists() for r in range(world)):
+            deadline = time.monotonic() + timeout_s + 5.0
+            break
+        time.sleep(0.02)
+    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+        time.sleep(0.02)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(10)
+    if not any((workdir / f"rank{r}.started").exists() for r in range(world)):
+        codes = ", ".join(str(p.exitcode) for p in processes)
+        raise DistlabError(f"the ranks did not start (exit codes {codes}); run this check again")
+    reports = [_read_json(workdir / f"rank{r}.json") for r in range(world)]
+    traces = [_read_trace(workdir / f"rank{r}.trace.jsonl") for r in range(world)]
+    died = {r: p.exitcode for r, p in enumerate(processes) if reports[r] is None and p.exitcode not in (0, -9)}
+    return reports, traces, died
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_trace(path: Path) -> list[dict]:
+    calls: dict[int, dict] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if "op" in entry:
+            calls[entry["n"]] = entry
+        elif entry["n"] in calls:
+            calls[entry["n"]]["done"] = True
+    return [calls[n] for n in sorted(calls)]
+
+
+def _where(device: str, world: int) -> str:
+    return f"{world} {'NCCL rank' if device == 'cuda' else 'gloo rank'}{'s' if world > 1 else ''}"
+
+
+def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdict:
+    name, where = exercise.name, _where(device, world)
+
+    def verdict(status: str, message: str, mistake: str | None = None) -> Verdict:
+        if mistake and mistake in exercise.mistakes:
+            message += f"\n  Looks like: {exercise.mistakes[mistake]}"
+        elif mistake and mistake in COMMON_MISTAKES:
+            message += f"\n  Looks like: {COMMON_MISTAKES[mistake]}"
+        return Verdict(name, status, message, mistake, world, device)
+
+    present = [r for r in reports if r is not None]
+    graders = [r for r in present if r["status"] == "grader"]
+    if graders:
+        return verdict(
+            "grader", f"✗ {name}: the grader itself failed on rank {graders[0]['rank']}: {graders[0]['error']}"
+        )
+    if len(present) == world and all(r["status"] == "passed" for r in present):
+        cases = present[0]["cases"]
+        notes = "".join(f"\n  {note}" for note in present[0]["notes"])
+        return verdict(
+            "passed", f"✓ {name}: right on every rank ({where}), {len(cases)} case(s): {', '.join(cases)}.{notes}"
+        )
+
+    failures = [r["failure"] for r in present if r.get("failure")]
+    own = [f for f in failures if f["kind"] == "raised" and not f["collective"]]
+    if own:
+        first = min(own, key=lambda f: f["time"])
+        if first["error"] == "NotImplementedError":
+            return verdict("not_filled", f"✎ {name}: your function still raises NotImplementedError. {exercise.task}")
+        line = f" at line {first['line']} of your `{first['function']}`: {first['code']}" if first["line"] else ""
+        mistake = exercise.on_error(first) if exercise.on_error else None
+        text = (
+            f"✗ {name} ({where}), case {first['case']!r}: rank {first['rank']} raised {first['error']}{line}\n"
+            f"  {first['error']}: {first['message']}"
+        )
+        return verdict("raised", text, mistake)
+    waiting = [f for f in failures if f["kind"] == "raised" and f["collective"]] or len(present) < world
+    if waiting and _collective_counts_differ(traces):
+        return _stuck(exercise, reports, traces, where, timeout_s, verdict)
+    wrong = [f for f in failures if f["kind"] == "wrong"]
+    if wrong:
+        first = min(wrong, key=lambda f: (_case_index(present, f), f["rank"]))
+        others = sorted({f["rank"] for f in wrong} - {first["rank"]})
+        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} wrong too)" if others else ""
+        text = (
+            f"✗ {name} ({where}), case {first['case']!r}: rank {first['rank']}'s {first['what']} is wrong{also}.\n"
+            f"  {first['detail']}"
+        )
+        return verdict("wrong", text, first.get("mistake"))
+    if died:
+        rank, code = min(died.items())
+        return verdict(
+            "died",
+            f"✗ {name} ({where}): rank {rank} ended (exit code {code}) before it finished, and "
+            f"the other ranks' collectives with it failed. Something in your function ended the process.",
+        )
+    return _stuck(exercise, reports, traces, where, timeout_s, verdict)
+
+
+def _case_index(reports: list[dict], failure: dict) -> int:
+    for report in reports:
+        if report["rank"] == failure["rank"]:
+            return len(report["cases"])
+    return 0
+
+
+def _pending(calls: list[dict]) -> dict | None:
+    """The call a rank was blocked in: the last one that never returned (an irecv counts as pending when the
+    learner waits on it; the trace cannot see that wait, so a trailing irecv counts)."""
+    for call in reversed(calls):
+        if not call.get("done"):
+            return call
+    return None
+
+
+def _describe(call: dict | None) -> str:
+    if call is None:
+        return "no call of torch.distributed"
+    peer = f" {'from' if call['op'] in RECEIVES else 'to'} rank {call['peer']}" if call.get("peer") is not None else ""
+    return f"{call['op']}{peer} (its call {call['n']})"
+
+
+COLLECTIVES_COUNTED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast",
+                       "reduce_scatter", "reduce", "gather", "scatter", "barrier", "all_to_all_single")  # fmt: skip
+
+COMMON_MISTAKES = {
+    "all_receive_first": (
+        "every rank is waiting to receive and none is sending. Post each send with its receive "
+        "(dist.isend then dist.recv, or both in one dist.batch_isend_irecv), or let even ranks send first."
+    ),
+    "all_send_first": (
+        "every rank is blocked in dist.send and none has reached its dist.recv. A blocking send returns only "
+        "once the receiver takes the message (gloo waits for the matching receive however small the message). "
+        "Post the send without waiting (dist.isend, then dist.recv, then wait), or both in one dist.batch_isend_irecv."
+    ),
+    "collective_mismatch": (
+        "the ranks did not call the same collectives the same number of times. A collective returns only "
+        "when every rank of the group has called it: an `if rank == ...` around one, or a loop whose length "
+        "differs by rank, leaves the others waiting."
+    ),
+    "unmatched_p2p": (
+        "a send or receive with no partner: every dist.send to rank k needs a dist.recv from this rank on "
+        "rank k, of the same size, and the other way round."
+    ),
+}
+
+
+def _collective_counts(traces: list[list[dict]]) -> list[dict[str, int]]:
+    return [
+        {op: sum(1 for c in calls if c["op"] == op) for op in COLLECTIVES_COUNTED if any(c["op"] == op for c in calls)}
+        for calls in traces
+    ]
+
+
+def _collective_counts_differ(traces: list[list[dict]]) -> bool:
+    counts = _collective_counts(traces)
+    return any(c != counts[0] for c in counts)
+
+
+def _stuck(exercise, reports, traces, where, timeout_s, verdict) -> Verdict:
+    name = exercise.name
+    counts = _collective_counts(traces)
+    lines = []
+    for rank, calls in enumerate(traces):
+        report = reports[rank]
+        if report is not None and report["status"] == "passed":
+            lines.append(f"rank {rank} finished")
+            continue
+        failure = report.get("failure") if report else None
+        place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
+        lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}")
+    pending = [
+        _pending(calls) for rank, calls in enumerate(traces) if not (reports[rank] or {}).get("status") == "passed"
+    ]
+    if any(c != counts[0] for c in counts):
+        mistake = "collective_mismatch"
+        said = "; ".join(
+            f"rank {r}: " + (", ".join(f"{op} x{k}" for op, k in c.items()) or "none") for r, c in enumerate(counts)
+        )
+        lines.append(f"collectives called: {said}")
+    elif pending and all(p is not None and p["op"] in RECEIVES for p in pending):
+        mistake = "all_receive_first"
+    elif pending and all(p is not None and p["op"] == "send" for p in pending):
+        mistake = "all_send_first"
+    else:
+        mistake = "unmatched_p2p"
+    head = f"✗ {name} ({where}): the ranks waited for each other and never finished (stopped after {timeout_s:g} s)."
+    return verdict("stuck", head + "\n  " + "\n  ".join(lines), mistake)

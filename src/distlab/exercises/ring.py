@@ -1,0 +1,253 @@
+"""The ring chapter's exercises: reduce-scatter, all-gather and all-reduce from sends and receives only.
+
+Every rank's data is drawn from a generator seeded by the case and the rank, so every rank knows what every
+other rank holds and computes what ``dist.all_reduce`` would return itself, with no collective of its own
+between the learner's calls. Values are small integers, so sums are exact and a wrong answer can be recognised: a
+segment summed over only some ranks, the wrong segment, the mean instead of the sum.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import torch
+
+from ..comm.collectives import segment_bounds
+from .catalog import Exercise
+from .trial import Trial
+
+LENGTHS = (12, 10, 4)
+"""Divides by 2, 3 and 4; does not divide by 3 or 4; leaves 1-element segments at 3 ranks and 4."""
+P2P = {"send", "recv", "isend", "irecv"}
+
+
+def rank_data(length: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * length + rank)
+    return torch.randint(-9, 10, (length,), generator=generator).float()
+
+
+def _segment_locator(length: int, n: int, offset: int = 0):
+    bounds = segment_bounds(length, n)
+
+    def locate(index: int) -> str:
+        index += offset
+        segment = next(i for i, (a, b) in enumerate(bounds) if a <= index < b)
+        return f"segment {segment}, element {index}"
+
+    return locate
+
+
+def _only_p2p(t: Trial, since: int, what: str) -> None:
+    used = sorted({op for op in t.tracer.ops(since) if op not in P2P})
+    if used:
+        t.fail(what, f"it called dist.{used[0]}", "used_collective")
+
+
+def _ranks_left_out(got, datas: list[torch.Tensor], a: int, b: int) -> str | None:
+    """The ranks whose values a wrong segment lacks, when it is exactly the sum over the others."""
+    if not isinstance(got, torch.Tensor) or got.shape != datas[0][a:b].shape or b == a:
+        return None
+    n = len(datas)
+    for k in range(1, n):
+        for kept in combinations(range(n), k):
+            if torch.equal(got.detach().cpu().float(), sum(datas[r][a:b] for r in kept)):
+                return ", ".join(str(r) for r in range(n) if r not in kept)
+    return None
+
+
+def _which_segment(t: Trial, got, tensor: torch.Tensor, length: int, n: int, right: int) -> None:
+    """A view of the wrong segment of the input: say which one it is."""
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.numel() == 0
+        or got.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    ):
+        return
+    start = (got.data_ptr() - tensor.data_ptr()) // tensor.element_size()
+    starts = {a: i for i, (a, b) in enumerate(segment_bounds(length, n)) if b > a}
+    segment = starts.get(start)
+    if segment is not None and segment != right:
+        mistake = "segment_of_rank" if segment == t.rank else "wrong_segment"
+        t.fail(
+            "returned segment",
+            f"it is segment {segment} of the tensor; rank {t.rank} finishes segment {right}",
+            mistake,
+        )
+
+
+def _expected_bytes(length: int, n: int, hops: int, first_offset: int, rank: int) -> int:
+    bounds = segment_bounds(length, n)
+    return sum(
+        4 * (bounds[(rank + first_offset - hop) % n][1] - bounds[(rank + first_offset - hop) % n][0])
+        for hop in range(hops)
+    )
+
+
+def reduce_scatter_trial(t: Trial, fn) -> None:
+    n, r = t.world_size, t.rank
+    for length in LENGTHS:
+        with t.case(f"length {length}"):
+            datas = [rank_data(length, rank) for rank in range(n)]
+            total = sum(datas)
+            a, b = segment_bounds(length, n)[(r + 1) % n]
+            mine = datas[r].clone().to(t.device)
+            since = len(t.tracer.calls)
+            got = t.call(fn, mine)
+            _only_p2p(t, since, "reduce-scatter")
+            own_a, own_b = segment_bounds(length, n)[r]
+            mistakes = {
+                "segment_of_rank": total[own_a:own_b],
+                "averaged": total[a:b] / n,
+                "whole_tensor": total,
+            }
+            if (
+                got is not None
+                and isinstance(got, torch.Tensor)
+                and got.shape == total.shape
+                and torch.equal(got.cpu(), total)
+            ):
+                t.fail("returned tensor", "it is the whole summed tensor", "whole_tensor")
+            left_out = _ranks_left_out(got, datas, a, b)
+            if left_out:
+                t.fail("returned segment", f"it holds the sum over every rank except rank {left_out}", "partial_sum")
+            _which_segment(t, got, mine, length, n, (r + 1) % n)
+            t.expect_close(got, total[a:b], "returned segment", mistakes, _segment_locator(length, n, a))
+            sent, expected = t.tracer.bytes_sent(since), _expected_bytes(length, n, n - 1, 0, r)
+            if sent > expected:
+                t.fail(
+                    "traffic",
+                    f"it sent {sent} bytes; a ring reduce-scatter sends {expected} from this rank",
+                    "sends_too_much",
+                )
+
+
+def all_gather_trial(t: Trial, fn) -> None:
+    n, r = t.world_size, t.rank
+    for length in LENGTHS:
+        with t.case(f"length {length}"):
+            full = sum(rank_data(length, rank) for rank in range(n))
+            stale = torch.full((length,), -1000.0)
+            mine = stale.clone()
+            bounds = segment_bounds(length, n)
+            a, b = bounds[(r + 1) % n]
+            mine[a:b] = full[a:b]
+            tensor = mine.to(t.device)
+            since = len(t.tracer.calls)
+            result = t.call(fn, tensor)
+            _only_p2p(t, since, "all-gather")
+            got = (result if isinstance(result, torch.Tensor) and result.shape == tensor.shape else tensor).cpu()
+            for segment, (lo, hi) in enumerate(bounds):
+                if hi > lo and torch.equal(got[lo:hi], stale[lo:hi]):
+                    t.fail(
+                        "tensor",
+                        f"segment {segment} (elements {lo}..{hi - 1}) still holds its old values",
+                        "segment_never_arrived",
+                    )
+            for segment, (lo, hi) in enumerate(bounds):
+                extra = got[lo:hi] - full[lo:hi]
+                if (
+                    hi > lo
+                    and (extra != 0).all()
+                    and bool(((extra / stale[lo:hi]).round() * stale[lo:hi] == extra).all())
+                ):
+                    t.fail("tensor", f"segment {segment} holds the right values plus old ones", "added_not_copied")
+            t.expect_close(got, full, "tensor", locate=_segment_locator(length, n))
+            sent, expected = t.tracer.bytes_sent(since), _expected_bytes(length, n, n - 1, 1, r)
+            if sent > expected:
+                t.fail(
+                    "traffic",
+                    f"it sent {sent} bytes; a ring all-gather sends {expected} from this rank",
+                    "sends_too_much",
+                )
+
+
+def all_reduce_trial(t: Trial, fn) -> None:
+    n, r = t.world_size, t.rank
+    for length in LENGTHS:
+        with t.case(f"length {length}"):
+            datas = [rank_data(length, rank) for rank in range(n)]
+            reference = sum(datas)  # what dist.all_reduce returns, computed here: no collective beside the learner's
+            since = len(t.tracer.calls)
+            tensor = datas[r].clone().to(t.device)
+            result = t.call(fn, tensor)
+            _only_p2p(t, since, "all-reduce")
+            got = (result if isinstance(result, torch.Tensor) and result.shape == tensor.shape else tensor).cpu()
+            a, b = segment_bounds(length, n)[(r + 1) % n]
+            if length >= n and torch.equal(got[a:b], reference[a:b]) and not torch.equal(got, reference):
+                t.fail("tensor", f"only segment {(r + 1) % n} holds the full sum", "no_all_gather")
+            t.expect_close(got, reference, "tensor", {"averaged": reference / n}, _segment_locator(length, n))
+            # any ring schedule moves one segment a hop: at most 2(n-1) of the longest segment
+            sent, most = t.tracer.bytes_sent(since), 2 * (n - 1) * -(-length // n) * 4
+            if sent > most:
+                t.fail("traffic", f"it sent {sent} bytes, {sent / (4 * length):.2f} x the tensor; the ring sends "
+                       f"2(n-1)/n = {2 * (n - 1) / n:.2f} x", "sends_too_much")  # fmt: skip
+    t.note(f"each rank sent 2(n-1)/n = {2 * (n - 1) / n:.2f} times the tensor's bytes, as the ring should")
+
+
+RING_MISTAKES = {
+    "used_collective": "the exercise is to build the collective from sends and receives: use dist.send/recv, "
+    "dist.isend/irecv or dist.batch_isend_irecv only.",
+    "averaged": "you divided by the number of ranks. A reduce-scatter and an all-reduce sum; averaging is "
+    "the caller's (DDP divides afterwards).",
+    "sends_too_much": "each hop should move one segment (S/n bytes), not the whole tensor.",
+}
+
+EXERCISES = (
+    Exercise(
+        name="ring_reduce_scatter",
+        page="ring_allreduce",
+        task="Sum `tensor` over the ranks in n-1 ring hops, each rank sending one segment to rank + 1 and adding "
+        "what arrives from rank - 1, and return this rank's fully summed segment, (rank + 1) % n of "
+        "`segment_bounds(tensor.numel(), n)`.",
+        signature="def ring_reduce_scatter(tensor: torch.Tensor) -> torch.Tensor:",
+        solution="ring.ring_reduce_scatter",
+        library="distlab.comm.collectives.ring_reduce_scatter",
+        trial=reduce_scatter_trial,
+        mistakes={
+            **RING_MISTAKES,
+            "segment_of_rank": "you returned segment `rank`. In this ring rank r sends segment r - hop at each hop, so "
+            "the segment it finishes is the one it receives last: (rank + 1) % n.",
+            "wrong_segment": "you returned a segment this rank has not finished: rank r ends holding segment "
+            "(rank + 1) % n, the one it receives last.",
+            "whole_tensor": "you returned the whole tensor. A reduce-scatter leaves each rank one segment of the sum; "
+            "return that segment (a view of `tensor` is fine).",
+            "partial_sum": "the segment misses some ranks' values: a segment needs n - 1 hops to collect every "
+            "rank's contribution, and at each hop a rank must add what it received into the segment it sends next.",
+        },
+    ),
+    Exercise(
+        name="ring_all_gather",
+        page="ring_allreduce",
+        task="Rank r holds the finished segment (r + 1) % n of `tensor`; the other segments are stale. In n-1 ring "
+        "hops, pass segments to rank + 1 so that every rank ends with every segment, in place.",
+        signature="def ring_all_gather(tensor: torch.Tensor) -> None:",
+        solution="ring.ring_all_gather",
+        library="distlab.comm.collectives.ring_all_gather",
+        trial=all_gather_trial,
+        mistakes={
+            **RING_MISTAKES,
+            "added_not_copied": "you added what arrived to the stale values. The sums are already made; an "
+            "all-gather copies each arriving segment into place.",
+            "segment_never_arrived": "a segment was never delivered. Each rank first sends the segment it owns, "
+            "(rank + 1) % n, then at every hop forwards the one it has just received.",
+        },
+    ),
+    Exercise(
+        name="ring_all_reduce",
+        page="ring_allreduce",
+        task="Sum `tensor` over the ranks in place, sending 2(n-1)/n times its bytes from each rank: a ring "
+        "reduce-scatter, then a ring all-gather.",
+        signature="def ring_all_reduce(tensor: torch.Tensor) -> None:",
+        solution="ring.ring_all_reduce",
+        library="distlab.comm.collectives.ring_all_reduce",
+        trial=all_reduce_trial,
+        mistakes={
+            **RING_MISTAKES,
+            "no_all_gather": "after the reduce-scatter each rank holds the sum of one segment only; the all-gather "
+            "must then deliver every segment to every rank.",
+            "sends_too_much": "the whole tensor travelled the ring: that sends (n-1) S per rank. Cut it into n "
+            "segments, reduce-scatter, then all-gather: 2(n-1)/n S.",
+        },
+        pages=("labs/lab_ring_allreduce",),
+    ),
+)

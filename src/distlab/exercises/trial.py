@@ -1,0 +1,267 @@
+"""The rank side of a check: run the learner's function on cases, compare, and write what happened.
+
+Each rank imports the learner's module, runs the exercise's ``trial(t, fn)`` with a :class:`Trial` ``t``, and
+writes one JSON report: passed, or the first thing that went wrong (the case, what was compared, how far off,
+and the mistake it looks like), or the learner's exception with the line of the learner's code it came from.
+Every collective and point-to-point call the learner makes is traced, flushed before it can block, so that a
+rank killed in a deadlock still says what it was waiting for.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import collective_failure
+
+TRACED = (
+    "send", "recv", "isend", "irecv", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
+    "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all_single", "barrier",
+)  # fmt: skip
+SENDS = {"send": "dst", "isend": "dst"}
+RECEIVES = {"recv": "src", "irecv": "src"}
+# isend and irecv are also compared by identity inside torch (P2POp checks its op is one of them)
+IDENTITY_CHECKED = ("isend", "irecv")
+
+
+class StopTrial(Exception):
+    """The first failure is recorded; the rank stops checking."""
+
+
+class LearnerRaised(Exception):
+    """The learner's function raised; the report holds where."""
+
+
+class Tracer:
+    """Every traced call this rank makes, appended to a file as it starts and when it returns."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.calls: list[dict] = []
+        self.inside = False  # torch's send is its isend waited on: only the learner's own call is traced
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed by the rank's exit)
+
+    def record(self, op: str, args: tuple, kwargs: dict) -> dict:
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+        call = {"op": op, "n": len(self.calls) + 1, "done": False}
+        if isinstance(tensor, torch.Tensor):
+            call["bytes"] = tensor.numel() * tensor.element_size()
+        peer_key = SENDS.get(op) or RECEIVES.get(op)
+        if peer_key:
+            peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
+            if peer is None:
+                peer = kwargs.get(f"group_{peer_key}")
+            call["peer"] = peer
+        self.calls.append(call)
+        self.file.write(json.dumps(call) + "\n")
+        return call
+
+    def finish(self, call: dict) -> None:
+        call["done"] = True
+        self.file.write(json.dumps({"n": call["n"], "done": True}) + "\n")
+
+    def bytes_sent(self, since: int = 0) -> int:
+        sent = 0
+        for call in self.calls[since:]:
+            if call["op"] in SENDS:
+                sent += call.get("bytes", 0)
+        return sent
+
+    def ops(self, since: int = 0) -> list[str]:
+        return [call["op"] for call in self.calls[since:]]
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Wrap torch.distributed's calls for the duration; the originals come back afterwards."""
+        import torch.distributed.distributed_c10d as c10d
+
+        originals = {}
+        for op in TRACED:
+            original = getattr(dist, op, None)
+            if original is None:
+                continue
+            originals[op] = original
+            wrapped = self._wrap(op, original)
+            setattr(dist, op, wrapped)
+            if op in IDENTITY_CHECKED:
+                setattr(c10d, op, wrapped)
+        try:
+            yield
+        finally:
+            for op, original in originals.items():
+                setattr(dist, op, original)
+                if op in IDENTITY_CHECKED:
+                    setattr(c10d, op, original)
+
+    def _wrap(self, op: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def traced(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            call = self.record(op, args, kwargs)
+            self.inside = True
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self.inside = False
+            if op not in ("isend", "irecv") and not kwargs.get("async_op"):
+                self.finish(call)
+            return result
+
+        return traced
+
+
+class Trial:
+    """What an exercise's trial sees on its rank: who it is, the device, cases, comparisons, failures."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, tracer: Tracer, solution_file: str):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.tracer = tracer
+        self.solution_file = solution_file
+        self.case_label = ""
+        self.cases: list[str] = []
+        self.notes: list[str] = []
+        self.failure: dict | None = None
+
+    @contextmanager
+    def case(self, label: str) -> Iterator[None]:
+        self.case_label = label
+        self.cases.append(label)
+        yield
+
+    def call(self, fn: Callable, *args, **kwargs):
+        """The learner's function, with its exception turned into a report instead of a torch traceback."""
+        try:
+            return fn(*args, **kwargs)
+        except StopTrial:
+            raise
+        except BaseException as err:  # noqa: BLE001 (whatever the learner's code raises is reported, not re-raised)
+            self.failure = self._raised(err)
+            raise LearnerRaised from None
+
+    def _raised(self, err: BaseException) -> dict:
+        frames = traceback.extract_tb(err.__traceback__)
+        mine = [f for f in frames if f.filename == self.solution_file]
+        where = mine[-1] if mine else None
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        failure = {
+            "kind": "raised",
+            "case": self.case_label,
+            "rank": self.rank,
+            "error": type(err).__name__,
+            "message": message[:300],
+            "line": where.lineno if where else None,
+            "function": where.name if where else None,
+            "code": where.line if where else None,
+            "collective": collective_failure(err),
+            "time": time.time(),
+        }
+        return failure
+
+    def fail(self, what: str, detail: str, mistake: str | None = None) -> None:
+        """Record a wrong result and stop: ``what`` was compared, ``detail`` says how far off, ``mistake`` names it."""
+        self.failure = {
+            "kind": "wrong",
+            "case": self.case_label,
+            "rank": self.rank,
+            "what": what,
+            "detail": detail,
+            "mistake": mistake,
+            "time": time.time(),
+        }
+        raise StopTrial
+
+    def expect_close(
+        self,
+        got,
+        expected: torch.Tensor,
+        what: str,
+        mistakes: dict[str, torch.Tensor] | None = None,
+        locate: Callable[[int], str] | None = None,
+        atol: float = 1e-5,
+        rtol: float = 1e-4,
+    ) -> None:
+        """``got`` equals ``expected`` within tolerance, or a failure that says where, how far, and which of
+        ``mistakes`` (name -> what that mistake would have produced) it matches."""
+        if not isinstance(got, torch.Tensor):
+            self.fail(what, f"expected a tensor, got {type(got).__name__}", "not_a_tensor")
+        if tuple(got.shape) != tuple(expected.shape):
+            mistake = next(
+                (name for name, wrong in (mistakes or {}).items() if tuple(wrong.shape) == tuple(got.shape)), None
+            )
+            self.fail(what, f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}", mistake)
+        got_c = got.detach().to("cpu", torch.float64)
+        want = expected.detach().to("cpu", torch.float64)
+        bad = ~torch.isclose(got_c, want, atol=atol, rtol=rtol)
+        if not bad.any():
+            return
+        for name, wrong in (mistakes or {}).items():
+            wrong_c = wrong.detach().to("cpu", torch.float64)
+            if wrong_c.shape == got_c.shape and torch.allclose(got_c, wrong_c, atol=atol, rtol=rtol):
+                mistake = name
+                break
+        else:
+            mistake = None
+        flat_bad = bad.reshape(-1).nonzero().flatten()
+        first = int(flat_bad[0])
+        where = locate(first) if locate else f"element {first}"
+        worst = float((got_c - want).abs().max())
+        detail = (
+            f"{where}: got {got_c.reshape(-1)[first].item():.6g}, expected {want.reshape(-1)[first].item():.6g}; "
+            f"{len(flat_bad)} of {want.numel()} values differ, by up to {worst:.3g}"
+        )
+        self.fail(what, detail, mistake)
+
+    def note(self, text: str) -> None:
+        """Something true of a passing answer worth saying (rank 0's notes are shown)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+
+def _load(path: str, name: str) -> Callable:
+    spec = importlib.util.spec_from_file_location("learner_solution", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def rank_main(exercise: str, solution: str, name: str, rank: int, world_size: int, port: int, workdir: str,
+              device: str, timeout_s: float) -> None:  # fmt: skip
+    """One rank of a check (started by :mod:`.grader`): report to ``workdir/rank{rank}.json``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    torch.manual_seed(1234 + rank)  # this process's own generator: the trials draw their data from their own
+    from ..runtime import distributed
+    from .catalog import get
+
+    work = Path(workdir)
+    tracer = Tracer(work / f"rank{rank}.trace.jsonl")
+    report: dict = {"rank": rank, "status": "passed"}
+    with distributed(device, timeout_s=timeout_s) as runtime:
+        (work / f"rank{rank}.started").touch()
+        trial = Trial(rank, world_size, runtime.device, tracer, solution)
+        try:
+            fn = trial.call(_load, solution, name)
+            with tracer.installed():
+                get(exercise).trial(trial, fn)
+        except (StopTrial, LearnerRaised):
+            report["status"] = trial.failure["kind"]
+        except Exception as err:  # noqa: BLE001 (the grader's own failure, said in one line)
+            report["status"] = "grader"
+            report["error"] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        report.update(failure=trial.failure, cases=trial.cases, notes=trial.notes, bytes_sent=tracer.bytes_sent())
+        (work / f"rank{rank}.json").write_text(json.dumps(report))
+        if report["status"] != "passed":
+            os._exit(0)  # peers may be blocked on this rank: do not wait for them in the group's teardown

@@ -1,0 +1,3 @@
+"""Typical wrong answers to the costs exercises (to come)."""
+
+MISTAKES = []

@@ -1,0 +1,3 @@
+"""Typical wrong answers to the ddp exercises (to come)."""
+
+MISTAKES = []

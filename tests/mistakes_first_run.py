@@ -1,0 +1,3 @@
+"""Typical wrong answers to the first_run exercises (to come)."""
+
+MISTAKES = []

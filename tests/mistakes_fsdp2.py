@@ -1,0 +1,3 @@
+"""Typical wrong answers to the fsdp2 exercises (to come)."""
+
+MISTAKES = []

@@ -1,0 +1,3 @@
+"""Typical wrong answers to the pinned exercises (to come)."""
+
+MISTAKES = []

@@ -1,0 +1,103 @@
+"""Typical wrong answers to the ring chapter's exercises, each with the mistake its check must name."""
+
+import torch
+import torch.distributed as dist
+
+from distlab.comm.collectives import segment_bounds
+from distlab.exercises.solutions.ring import ring_reduce_scatter
+
+
+def exchange(send, recv):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % n), dist.P2POp(dist.irecv, recv, (rank - 1) % n)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+def reduce_scatter_keeps_own_segment(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank - hop) % n], arrived)
+        into += arrived
+    return segments[rank]
+
+
+def reduce_scatter_one_hop_short(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 2):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank - hop) % n], arrived)
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
+def reduce_scatter_send_then_recv(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        dist.send(segments[(rank - hop) % n], (rank + 1) % n)
+        dist.recv(arrived, (rank - 1) % n)
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
+def reduce_scatter_by_all_reduce(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.all_reduce(tensor)
+    a, b = segment_bounds(tensor.numel(), n)[(rank + 1) % n]
+    return tensor[a:b]
+
+
+def all_gather_adds(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank + 1 - hop) % n], arrived)
+        into += arrived
+
+
+def all_gather_starts_from_rank(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        exchange(segments[(rank - hop) % n], segments[(rank - hop - 1) % n])
+
+
+def all_reduce_whole_tensor_ring(tensor):
+    passing, arriving, total = tensor.clone(), torch.empty_like(tensor), tensor.clone()
+    for _ in range(dist.get_world_size() - 1):
+        exchange(passing, arriving)
+        total += arriving
+        passing, arriving = arriving, passing
+    tensor.copy_(total)
+
+
+def all_reduce_without_gather(tensor):
+    ring_reduce_scatter(tensor)
+
+
+def all_reduce_mean(tensor):
+    all_reduce_whole_tensor_ring(tensor)
+    tensor /= dist.get_world_size()
+
+
+MISTAKES = [
+    ("ring_reduce_scatter", reduce_scatter_keeps_own_segment, "segment_of_rank", "(rank + 1) % n"),
+    ("ring_reduce_scatter", reduce_scatter_one_hop_short, "partial_sum", "except rank"),
+    ("ring_reduce_scatter", reduce_scatter_send_then_recv, "all_send_first", "waited in send to rank"),
+    ("ring_reduce_scatter", reduce_scatter_by_all_reduce, "used_collective", "dist.all_reduce"),
+    ("ring_all_gather", all_gather_adds, "added_not_copied", "copies each arriving segment"),
+    ("ring_all_gather", all_gather_starts_from_rank, "segment_never_arrived", "still holds its old values"),
+    ("ring_all_reduce", all_reduce_whole_tensor_ring, "sends_too_much", "2(n-1)/n"),
+    ("ring_all_reduce", all_reduce_without_gather, "no_all_gather", "holds the full sum"),
+    ("ring_all_reduce", all_reduce_mean, "averaged", "divided by the number of ranks"),
+]

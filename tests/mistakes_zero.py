@@ -1,0 +1,3 @@
+"""Typical wrong answers to the zero exercises (to come)."""
+
+MISTAKES = []
