@@ -192,6 +192,9 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
         codes = ", ".join(str(p.exitcode) for p in processes)
         raise DistlabError(f"the ranks did not start (exit codes {codes}); run this check again")
     reports = [_read_json(workdir / f"rank{r}.json") for r in range(world)]
+    for rank, report in enumerate(reports):
+        if report is not None:
+            report["printed"] = _read_text(workdir / f"rank{rank}.out")
     traces = [_read_trace(workdir / f"rank{r}.trace.jsonl") for r in range(world)]
     died = {r: p.exitcode for r, p in enumerate(processes) if reports[r] is None and p.exitcode not in (0, -9)}
     return reports, traces, died
@@ -202,6 +205,14 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _read_text(path: Path, most_lines: int = 12) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return lines[:most_lines] + ([f"... ({len(lines) - most_lines} more lines)"] if len(lines) > most_lines else [])
 
 
 def _read_trace(path: Path) -> list[dict]:
@@ -234,6 +245,10 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
             message += f"\n  Looks like: {exercise.mistakes[mistake]}"
         elif mistake and mistake in COMMON_MISTAKES:
             message += f"\n  Looks like: {COMMON_MISTAKES[mistake]}"
+        for report in reports:
+            if report is not None and report.get("printed"):
+                lines = "".join(f"\n    {line}" for line in report["printed"])
+                message += f"\n  rank {report['rank']} printed:{lines}"
         return Verdict(name, status, message, mistake, world, device)
 
     present = [r for r in reports if r is not None]

@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -252,9 +252,10 @@ def rank_main(exercise: str, solution: str, name: str, rank: int, world_size: in
     with distributed(device, timeout_s=timeout_s) as runtime:
         (work / f"rank{rank}.started").touch()
         trial = Trial(rank, world_size, runtime.device, tracer, solution)
+        printed = open(work / f"rank{rank}.out", "w", buffering=1)  # noqa: SIM115 (the rank's exit closes it)
         try:
             fn = trial.call(_load, solution, name)
-            with tracer.installed():
+            with tracer.installed(), redirect_stdout(printed), redirect_stderr(printed):
                 get(exercise).trial(trial, fn)
         except (StopTrial, LearnerRaised):
             report["status"] = trial.failure["kind"]
