@@ -282,7 +282,8 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
         return _stuck(exercise, reports, traces, where, timeout_s, verdict)
     wrong = [f for f in failures if f["kind"] == "wrong"]
     if wrong:
-        first = min(wrong, key=lambda f: (_case_index(present, f), f["rank"]))
+        # the first case that failed, on the rank whose answer tells the mistake apart if one does
+        first = min(wrong, key=lambda f: (_case_index(present, f), not f["certain"], f["mistake"] is None, f["rank"]))
         others = sorted({f["rank"] for f in wrong} - {first["rank"]})
         also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} wrong too)" if others else ""
         text = (

@@ -168,8 +168,9 @@ class Trial:
         }
         return failure
 
-    def fail(self, what: str, detail: str, mistake: str | None = None) -> None:
-        """Record a wrong result and stop: ``what`` was compared, ``detail`` says how far off, ``mistake`` names it."""
+    def fail(self, what: str, detail: str, mistake: str | None = None, certain: bool = True) -> None:
+        """Record a wrong result and stop: ``what`` was compared, ``detail`` says how far off, ``mistake`` names it
+        (``certain=False``: the likeliest of several this rank cannot tell apart; a rank that can tell wins)."""
         self.failure = {
             "kind": "wrong",
             "case": self.case_label,
@@ -177,6 +178,7 @@ class Trial:
             "what": what,
             "detail": detail,
             "mistake": mistake,
+            "certain": certain and mistake is not None,
             "time": time.time(),
         }
         raise StopTrial
