@@ -1,3 +1,70 @@
-"""Typical wrong answers to the costs exercises (to come)."""
+"""Typical wrong answers to the cost chapter's exercises, each with the mistake its check must name."""
 
-MISTAKES = []
+
+def ring_time_reduce_scatter_only(collective, nbytes, n, alpha_s, bandwidth):
+    return (n - 1) * alpha_s + (n - 1) / n * nbytes / bandwidth
+
+
+def ring_time_whole_tensor_per_hop(collective, nbytes, n, alpha_s, bandwidth):
+    hops = 2 * (n - 1) if collective == "all_reduce" else n - 1
+    return hops * alpha_s + hops * nbytes / bandwidth
+
+
+def ring_time_latency_once(collective, nbytes, n, alpha_s, bandwidth):
+    hops = 2 * (n - 1) if collective == "all_reduce" else n - 1
+    return alpha_s + hops / n * nbytes / bandwidth
+
+
+def ring_time_every_collective_twice(collective, nbytes, n, alpha_s, bandwidth):
+    return 2 * (n - 1) * alpha_s + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def sent_fsdp_as_ddp(strategy, parameters, n, reduce_bytes, gather_bytes):
+    share = (n - 1) / n
+    if strategy in ("ddp", "fsdp"):
+        return 2 * share * parameters * reduce_bytes
+    gathers = 1
+    return share * parameters * (reduce_bytes + gathers * gather_bytes)
+
+
+def sent_without_backward_gather(strategy, parameters, n, reduce_bytes, gather_bytes):
+    share = (n - 1) / n
+    if strategy == "ddp":
+        return 2 * share * parameters * reduce_bytes
+    return share * parameters * (reduce_bytes + gather_bytes)
+
+
+def sent_in_the_gradient_dtype(strategy, parameters, n, reduce_bytes, gather_bytes):
+    share = (n - 1) / n
+    gathers = 3 if strategy == "fsdp" else 2
+    return gathers * share * parameters * reduce_bytes
+
+
+def sent_whole_tensor(strategy, parameters, n, reduce_bytes, gather_bytes):
+    gathers = 2 if strategy == "fsdp" else 1
+    if strategy == "ddp":
+        return 2 * parameters * reduce_bytes
+    return parameters * (reduce_bytes + gathers * gather_bytes)
+
+
+def sent_zero_without_gather(strategy, parameters, n, reduce_bytes, gather_bytes):
+    share = (n - 1) / n
+    if strategy in ("zero1", "zero2"):
+        return share * parameters * reduce_bytes
+    gathers = 2 if strategy == "fsdp" else 1
+    if strategy == "ddp":
+        return 2 * share * parameters * reduce_bytes
+    return share * parameters * (reduce_bytes + gathers * gather_bytes)
+
+
+MISTAKES = [
+    ("ring_collective_time", ring_time_reduce_scatter_only, "reduce_scatter_only", "all_reduce of 4 KiB on 2 ranks"),
+    ("ring_collective_time", ring_time_whole_tensor_per_hop, "whole_tensor_per_hop", "got 13.448 us, expected 12.424"),
+    ("ring_collective_time", ring_time_latency_once, "latency_once", "2 hops x 5.7 us"),
+    ("ring_collective_time", ring_time_every_collective_twice, "all_reduce_factor", "reduce_scatter of 4 KiB"),
+    ("bytes_sent_per_step", sent_fsdp_as_ddp, "forgot_backward_gather", "fsdp, 124,439,808 parameters"),
+    ("bytes_sent_per_step", sent_without_backward_gather, "forgot_backward_gather", "expected 0.746639 GB (1.5 x)"),
+    ("bytes_sent_per_step", sent_in_the_gradient_dtype, "wrong_dtype", "16-bit parameters"),
+    ("bytes_sent_per_step", sent_zero_without_gather, "zero_without_gather", "zero1, 124,439,808 parameters"),
+    ("bytes_sent_per_step", sent_whole_tensor, "whole_tensor", "ddp, 124,439,808 parameters"),
+]

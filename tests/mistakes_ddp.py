@@ -1,3 +1,149 @@
-"""Typical wrong answers to the ddp exercises (to come)."""
+"""Typical wrong answers to the DDP chapter's exercises, each with the mistake its check must name."""
 
-MISTAKES = []
+import torch
+import torch.distributed as dist
+
+
+def average_forgets_to_divide(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+def average_trips_on_frozen(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def average_on_rank_zero_only(model):
+    if dist.get_rank() == 0:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+
+def average_the_parameters(model):
+    for p in model.parameters():
+        dist.all_reduce(p.data)
+        p.data /= dist.get_world_size()
+
+
+def average_a_copy(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad / dist.get_world_size())
+
+
+def overlap_after_backward(model):
+    def finish():
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+    return finish
+
+
+def overlap_blocking(model):
+    def reduce_now(p):
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(reduce_now)
+    return lambda: None
+
+
+def overlap_hooks_frozen(model):
+    pending = []
+
+    def launch(p):
+        p.grad /= dist.get_world_size()
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        for work in pending:
+            work.wait()
+
+    return finish
+
+
+def overlap_forgets_to_divide(model):
+    pending = []
+
+    def launch(p):
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        for work in pending:
+            work.wait()
+        pending.clear()
+
+    return finish
+
+
+def shard_ignores_rank(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[: num_samples // world_size]
+
+
+def shard_without_padding(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    return order[rank::world_size]
+
+
+def shard_ignores_epoch(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
+    per_rank = num_samples // world_size if drop_last else -(-num_samples // world_size)
+    order = torch.cat([order, order[: per_rank * world_size - num_samples]])
+    return order[: per_rank * world_size][rank::world_size]
+
+
+def shard_with_global_rng(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.randperm(num_samples)
+    per_rank = num_samples // world_size if drop_last else -(-num_samples // world_size)
+    order = torch.cat([order, order[: per_rank * world_size - num_samples]])
+    return order[: per_rank * world_size][rank::world_size]
+
+
+def shard_in_blocks(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    per_rank = num_samples // world_size if drop_last else -(-num_samples // world_size)
+    order = torch.cat([order, order[: per_rank * world_size - num_samples]])
+    return order[rank * per_rank : (rank + 1) * per_rank]
+
+
+def shard_in_order(num_samples, world_size, rank, seed, epoch, drop_last):
+    order = torch.arange(num_samples)
+    per_rank = num_samples // world_size if drop_last else -(-num_samples // world_size)
+    order = torch.cat([order, order[: per_rank * world_size - num_samples]])
+    return order[: per_rank * world_size][rank::world_size]
+
+
+MISTAKES = [
+    ("average_gradients", average_forgets_to_divide, "summed", "3 times the average"),
+    ("average_gradients", average_trips_on_frozen, "frozen_none_grad", "fc1.bias"),
+    ("average_gradients", average_on_rank_zero_only, "collective_mismatch", "rank 1: none"),
+    ("average_gradients", average_the_parameters, "averaged_parameters", "the frozen one included"),
+    ("average_gradients", average_a_copy, "local_gradient", "own micro-batch gradient"),
+    ("overlap_gradients", overlap_after_backward, "after_backward", "no all-reduce started during backward"),
+    ("overlap_gradients", overlap_blocking, "blocking", "waited for inside its hook"),
+    ("overlap_gradients", overlap_hooks_frozen, "hooked_frozen", "requires_grad=False"),
+    ("overlap_gradients", overlap_forgets_to_divide, "summed", "the sum"),
+    ("shard_indices", shard_ignores_rank, "same_on_every_rank", "every rank got the same"),
+    ("shard_indices", shard_without_padding, "uneven_shards", "rank 2 got 3"),
+    ("shard_indices", shard_ignores_epoch, "epoch_ignored", "epoch 0 and epoch 1"),
+    ("shard_indices", shard_with_global_rng, "overlap_or_missing", "is on ranks"),
+    ("shard_indices", shard_in_blocks, "contiguous_blocks", "consecutive positions"),
+    ("shard_indices", shard_in_order, "not_shuffled", "nothing was shuffled"),
+]

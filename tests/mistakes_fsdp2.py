@@ -1,3 +1,93 @@
-"""Typical wrong answers to the fsdp2 exercises (to come)."""
+"""Typical wrong answers to the FSDP2 chapter's exercises, each with the mistake its check must name."""
 
-MISTAKES = []
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def mesh_of(model):
+    return init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+
+
+def shard_root_first(model, lr):
+    mesh = mesh_of(model)
+    fully_shard(model, mesh=mesh)
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=mesh)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def shard_root_only(model, lr):
+    fully_shard(model, mesh=mesh_of(model))
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def shard_units_no_root(model, lr):
+    mesh = mesh_of(model)
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=mesh)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def shard_optimizer_first(model, lr):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    mesh = mesh_of(model)
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return optimizer
+
+
+def shard_skips_last_unit(model, lr):
+    mesh = mesh_of(model)
+    for unit in model.shard_units()[:-1]:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def whole(shape, n, pad=True):
+    rows, row = (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+    return (-(-rows // n) * n if pad else rows) * row
+
+
+def peak_without_padding(units, n, reshard_after_forward, bytes_per_value=4):
+    gathered = [sum(whole(s, n, pad=False) for s in unit) for unit in units]
+    if reshard_after_forward:
+        return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value
+    return sum(gathered) * bytes_per_value
+
+
+def peak_without_root(units, n, reshard_after_forward, bytes_per_value=4):
+    gathered = [sum(whole(s, n) for s in unit) for unit in units[:-1]]
+    if reshard_after_forward:
+        return max(gathered, default=0) * bytes_per_value
+    return sum(gathered) * bytes_per_value
+
+
+def peak_ignores_the_option(units, n, reshard_after_forward, bytes_per_value=4):
+    gathered = [sum(whole(s, n) for s in unit) for unit in units]
+    return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value
+
+
+def peak_of_shards(units, n, reshard_after_forward, bytes_per_value=4):
+    gathered = [sum(whole(s, n) for s in unit) for unit in units]
+    if reshard_after_forward:
+        return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value // n
+    return sum(gathered) * bytes_per_value // n
+
+
+MISTAKES = [
+    ("fsdp2_shard_model", shard_root_first, "root_first", "the root before the units"),
+    ("fsdp2_shard_model", shard_root_only, "root_only", "gathered at once"),
+    ("fsdp2_shard_model", shard_units_no_root, "no_root", "the model itself is not"),
+    ("fsdp2_shard_model", shard_optimizer_first, "optimizer_first", "are not in it"),
+    ("fsdp2_shard_model", shard_skips_last_unit, "missed_unit", "blocks.2 of model.shard_units() not wrapped"),
+    ("fsdp2_gathered_bytes", peak_without_padding, "no_padding", "cnn on 3 ranks"),
+    ("fsdp2_gathered_bytes", peak_without_root, "forgot_root", "gpt-tiny on 2 ranks"),
+    ("fsdp2_gathered_bytes", peak_ignores_the_option, "freed_after_forward", "reshard_after_forward=False"),
+    ("fsdp2_gathered_bytes", peak_of_shards, "shards_not_whole", "got 141184, expected 282368"),
+]

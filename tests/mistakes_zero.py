@@ -1,3 +1,198 @@
-"""Typical wrong answers to the zero exercises (to come)."""
+"""Typical wrong answers to the ZeRO chapter's exercises, each with the mistake its check must name."""
 
-MISTAKES = []
+import torch
+import torch.distributed as dist
+
+from distlab.parallel.flat_param import _single_tensor_collectives, all_gather_flat, reduce_scatter_flat
+
+CACHE = []
+
+
+def zero1_steps_whole_buffer(flat_params, flat_grad, momentum, lr, beta):
+    if momentum is None:
+        momentum = torch.zeros_like(flat_params)
+    momentum = beta * momentum + flat_grad
+    flat_params -= lr * momentum
+    return momentum
+
+
+def zero1_ring_shard(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice((rank + 1) % n * size, ((rank + 1) % n + 1) * size)
+    momentum = flat_grad[mine] if momentum is None else beta * momentum + flat_grad[mine]
+    flat_params.copy_(all_gather_flat(flat_params[mine] - lr * momentum, flat_params.numel()))
+    return momentum
+
+
+def zero1_without_all_gather(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = flat_grad[mine] if momentum is None else beta * momentum + flat_grad[mine]
+    flat_params[mine] -= lr * momentum
+    return momentum
+
+
+def zero1_new_tensor(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = flat_grad[mine] if momentum is None else beta * momentum + flat_grad[mine]
+    flat_params = all_gather_flat(flat_params[mine] - lr * momentum, flat_params.numel())
+    return momentum
+
+
+def shard_summed(grad):
+    n = dist.get_world_size()
+    size = -(-grad.numel() // n)
+    flat = torch.zeros(size * n)
+    flat[: grad.numel()] = grad
+    return reduce_scatter_flat(flat, size)
+
+
+def shard_ring_offset(grad):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = -(-grad.numel() // n)
+    flat = torch.zeros(size * n)
+    flat[: grad.numel()] = grad / n
+    dist.all_reduce(flat)
+    segment = (rank + 1) % n
+    return flat[segment * size : (segment + 1) * size].clone()
+
+
+def shard_whole_all_reduced(grad):
+    grad = grad / dist.get_world_size()
+    dist.all_reduce(grad)
+    return grad
+
+
+def shard_no_padding(grad):
+    n = dist.get_world_size()
+    return reduce_scatter_flat(grad / n, grad.numel() // n)
+
+
+def shard_by_all_reduce(grad):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = -(-grad.numel() // n)
+    flat = torch.zeros(size * n)
+    flat[: grad.numel()] = grad / n
+    dist.all_reduce(flat)
+    return flat[rank * size : (rank + 1) * size].clone()
+
+
+def shard_into_whole_buffer(grad):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = -(-grad.numel() // n)
+    flat = torch.zeros(size * n)
+    flat[: grad.numel()] = grad / n
+    out = torch.zeros(size * n)
+    _single_tensor_collectives()[1](out[rank * size : (rank + 1) * size], flat)
+    return out[rank * size : (rank + 1) * size]
+
+
+def unit_keeps_gathered(shard, loss_fn):
+    n = dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    CACHE.append(full)  # "saves gathering it again next time"
+    loss_fn(full).backward()
+    return reduce_scatter_flat(full.grad / n, shard.numel())
+
+
+def unit_summed(shard, loss_fn):
+    full = all_gather_flat(shard, shard.numel() * dist.get_world_size()).requires_grad_(True)
+    loss_fn(full).backward()
+    return reduce_scatter_flat(full.grad, shard.numel())
+
+
+def unit_on_its_shard(shard, loss_fn):
+    shard = shard.clone().requires_grad_(True)
+    loss_fn(shard).backward()
+    return shard.grad / dist.get_world_size()
+
+
+def unit_returns_view_of_whole_gradient(shard, loss_fn):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    loss_fn(full).backward()
+    grad = full.grad / n
+    out = torch.zeros_like(grad)
+    mine = out[rank * shard.numel() : (rank + 1) * shard.numel()]
+    _single_tensor_collectives()[1](mine, grad)
+    return mine
+
+
+def unit_all_reduced(shard, loss_fn):
+    full = all_gather_flat(shard, shard.numel() * dist.get_world_size()).requires_grad_(True)
+    loss_fn(full).backward()
+    grad = full.grad / dist.get_world_size()
+    dist.all_reduce(grad)
+    return grad
+
+
+def _bytes(num_params, strategy, world_size, precision, per_value, divides, padded=True, counter=4):
+    shard = -(-num_params // world_size) if padded else num_params / world_size
+    whole = num_params if strategy == "ddp" or not padded else shard * world_size
+    return {
+        term: per_value[i] * (shard if term in divides[strategy] else whole) + (counter if i == 2 else 0)
+        for i, term in enumerate(("parameters", "gradients", "optimizer_state"))
+    }
+
+
+STAGES = {
+    "ddp": (),
+    "zero1": ("optimizer_state",),
+    "zero2": ("gradients", "optimizer_state"),
+    "zero3": ("parameters", "gradients", "optimizer_state"),
+}
+
+
+def bytes_no_master_copy(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 8)
+    return _bytes(num_params, strategy, world_size, precision, per_value, STAGES)
+
+
+def bytes_zero1_shards_everything(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    stages = {**STAGES, "zero1": STAGES["zero3"]}
+    return _bytes(num_params, strategy, world_size, precision, per_value, stages)
+
+
+def bytes_zero2_divides_parameters(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    stages = {**STAGES, "zero2": ("parameters", "optimizer_state")}
+    return _bytes(num_params, strategy, world_size, precision, per_value, stages)
+
+
+def bytes_without_padding(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    return _bytes(num_params, strategy, world_size, precision, per_value, STAGES, padded=False)
+
+
+def bytes_without_step_counter(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    return _bytes(num_params, strategy, world_size, precision, per_value, STAGES, counter=0)
+
+
+MISTAKES = [
+    ("zero1_step", zero1_steps_whole_buffer, "state_not_sharded", "keeps the momentum of its own shard only"),
+    ("zero1_step", zero1_ring_shard, "wrong_shard", "it is shard 1's"),
+    ("zero1_step", zero1_without_all_gather, "no_all_gather", "still hold the values before the step"),
+    ("zero1_step", zero1_new_tensor, "not_in_place", "its own shard 0"),
+    ("zero2_shard_gradient", shard_summed, "summed", "the sum over the 3 ranks"),
+    ("zero2_shard_gradient", shard_ring_offset, "wrong_shard", "it is shard 1"),
+    ("zero2_shard_gradient", shard_whole_all_reduced, "whole_gradient", "it holds 11 values, the whole gradient's"),
+    ("zero2_shard_gradient", shard_no_padding, "no_padding", "pad the flat buffer with zeros"),
+    ("zero2_shard_gradient", shard_by_all_reduce, "all_reduced", "it called dist.all_reduce"),
+    ("zero2_shard_gradient", shard_into_whole_buffer, "gradient_kept", "a view of a buffer of 12 values"),
+    ("zero3_unit", unit_keeps_gathered, "gathered_kept", "still alive after your function returned"),
+    ("zero3_unit", unit_summed, "summed", "the sum over the 3 ranks"),
+    ("zero3_unit", unit_on_its_shard, "not_gathered", "loss_fn takes the unit's whole flat parameter"),
+    ("zero3_unit", unit_returns_view_of_whole_gradient, "gradient_kept", "a view of a buffer of 12 values"),
+    ("zero3_unit", unit_all_reduced, "whole_gradient", "the whole gradient's"),
+    ("zero_bytes_per_rank", bytes_no_master_copy, "no_master_copy", "optimizer_state at Ψ=1,000,000, N=1"),
+    ("zero_bytes_per_rank", bytes_zero1_shards_everything, "sharded_too_early", "case 'zero1, fp32'"),
+    ("zero_bytes_per_rank", bytes_zero2_divides_parameters, "zero2_wrong_term", "parameters at Ψ=1,000,000, N=3"),
+    ("zero_bytes_per_rank", bytes_without_padding, "no_padding", "ceil(Ψ/N)·N = 1,000,002 values"),
+    ("zero_bytes_per_rank", bytes_without_step_counter, "step_counter", "+ 4 (Adam's step counter)"),
+]

@@ -24,6 +24,10 @@ MISTAKES = [case for chapter in CHAPTERS for case in importlib.import_module(f"m
 STUCK_TIMEOUT_S = 4.0  # a wrong answer that deadlocks is stopped after this long
 
 
+def test_there_are_at_least_fifteen_exercises_across_the_book():
+    assert len(EXERCISES) >= 15, sorted(EXERCISES)
+
+
 @pytest.mark.parametrize("name", sorted(EXERCISES))
 def test_the_solution_passes_its_check(name):
     verdict = grade(name, get(name).solution_function())

@@ -1,3 +1,168 @@
-"""Exercises: (to come)."""
+"""The cost chapter's exercises: a ring collective's time by the alpha-beta model, and the bytes each strategy
+sends per step. Both are arithmetic, run on one rank and graded on a grid against the library's cost model
+(:mod:`distlab.predict.costmodel`, with the GPU systems of :mod:`distlab.predict.gpu_specs` as inputs); a wrong
+answer is compared with what each typical mistake would give on the same inputs.
+"""
 
-EXERCISES = ()
+from __future__ import annotations
+
+import math
+
+from ..predict.costmodel import RING_FACTOR, RING_STEPS, CollectiveModel, collective_calls
+from ..predict.gpu_specs import SYSTEMS
+from .catalog import Exercise
+from .trial import Trial
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+SIZES = (4 << 10, 1 << 20, 256 << 20)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
+
+
+def _close(a, b) -> bool:
+    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def _ring_mistakes(collective: str, nbytes: float, n: int, alpha: float, bw: float) -> dict[str, float]:
+    steps, factor = RING_STEPS[collective](n), RING_FACTOR[collective](n)
+    wrong = {
+        "whole_tensor_per_hop": steps * alpha + steps * nbytes / bw,
+        "latency_once": alpha + factor * nbytes / bw,
+        "no_latency": factor * nbytes / bw,
+    }
+    if collective == "all_reduce":
+        wrong["reduce_scatter_only"] = (n - 1) * alpha + (n - 1) / n * nbytes / bw
+    else:
+        wrong["all_reduce_factor"] = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
+    return wrong
+
+
+def _check_ring(t: Trial, fn, collective: str, nbytes: int, n: int, alpha: float, bw: float) -> None:
+    expected = CollectiveModel.nccl(collective, n, bw, alpha, 0.0).time_s(nbytes)
+    got = t.call(fn, collective, nbytes, n, alpha, bw)
+    if _close(got, expected):
+        return
+    mistake = next((k for k, v in _ring_mistakes(collective, nbytes, n, alpha, bw).items() if _close(got, v)), None)
+    steps, factor = RING_STEPS[collective](n), RING_FACTOR[collective](n)
+    shown = f"{got * 1e6:.6g} us" if isinstance(got, (int, float)) else repr(got)
+    terms = f"{steps} hop{'s' * (steps != 1)} x {alpha * 1e6:g} us + {factor:.3g} x {_size(nbytes)} / {bw / 1e9:g} GB/s"
+    what = f"{collective} of {_size(nbytes)} on {n} ranks"
+    t.fail("time", f"{what}: got {shown}, expected {expected * 1e6:.6g} us = {terms}", mistake)
+
+
+def ring_time_trial(t: Trial, fn) -> None:
+    for key, system in SYSTEMS.items():
+        alpha, bw = system.alpha_step_s, system.allreduce_busbw
+        with t.case(f"{key}: alpha {alpha * 1e6:g} us a hop, {bw / 1e9:g} GB/s"):
+            for n in (2, 4, 8):
+                for collective in COLLECTIVES:
+                    for nbytes in SIZES:
+                        _check_ring(t, fn, collective, nbytes, n, alpha, bw)
+    t.note("the latency term counts hops (2(n-1) for an all-reduce), the bandwidth term n-ths of the tensor")
+
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "fsdp-no-reshard")
+WIRES = (
+    (4, 4, "fp32 everywhere"),
+    (4, 2, "fp32 gradients, 16-bit parameters (torch's mixed-precision defaults)"),
+    (2, 2, "16 bits everywhere"),
+)
+PARAMETERS = (124_439_808, 1_557_611_200)  # gpt-small's and gpt-xl's sizes; both divide by 2 and by 8
+
+
+def expected_bytes(strategy: str, parameters: int, n: int, reduce_bytes: int, gather_bytes: int) -> float:
+    """What the cost model's GPU predictions count: every collective of one step, in its own dtype."""
+    calls = collective_calls(strategy, [[(parameters,)], []], n, "nccl", reduce_bytes, gather_bytes=gather_bytes)
+    return sum(size * RING_FACTOR[collective](n) for collective, _, size in calls)
+
+
+def _bytes_mistakes(strategy: str, p: int, n: int, r: int, g: int) -> list[tuple[str, float]]:
+    share, right = (n - 1) / n, expected_bytes(strategy, p, n, r, g)
+    gathers = {"fsdp": 2}.get(strategy, 1)
+    wrong = [("whole_tensor", right * n / (n - 1))]
+    if strategy == "ddp":
+        wrong.append(("wrong_dtype", 2 * share * p * g))
+    else:  # every collective in one of the two dtypes
+        wrong += [("wrong_dtype", share * p * (r + gathers * r)), ("wrong_dtype", share * p * (g + gathers * g))]
+    if strategy == "fsdp":
+        wrong.append(("forgot_backward_gather", share * p * (r + g)))  # in one dtype, DDP's bytes
+    if strategy == "fsdp-no-reshard":
+        wrong.append(("no_reshard_gathers_twice", share * p * (r + 2 * g)))
+    if strategy in ("zero1", "zero2"):
+        wrong.append(("zero_without_gather", share * p * r))
+    return wrong
+
+
+def _check_bytes(t: Trial, fn, strategy: str, p: int, n: int, r: int, g: int) -> None:
+    expected = expected_bytes(strategy, p, n, r, g)
+    got = t.call(fn, strategy, p, n, r, g)
+    if _close(got, expected):
+        return
+    mistake = next((k for k, v in _bytes_mistakes(strategy, p, n, r, g) if _close(got, v)), None)
+    number = isinstance(got, (int, float))
+    shown = f"{got / 1e9:.6g} GB ({got / (p * r):.4g} x the gradients' bytes)" if number else repr(got)
+    what = f"{strategy}, {p:,} parameters, {r}-byte gradients and {g}-byte parameters on the wire"
+    t.fail("bytes sent", f"{what}: got {shown}, expected {expected / 1e9:.6g} GB ({expected / (p * r):.4g} x)", mistake)
+
+
+def bytes_sent_trial(t: Trial, fn) -> None:
+    for r, g, wire in WIRES:
+        for n in (2, 8):
+            with t.case(f"{wire}, {n} ranks"):
+                for strategy in STRATEGIES:
+                    for p in PARAMETERS:
+                        _check_bytes(t, fn, strategy, p, n, r, g)
+    t.note("in torch's mixed-precision defaults FULL_SHARD sends DDP's bytes: 4 + 2 + 2 against 4 + 4 per value")
+
+
+EXERCISES = (
+    Exercise(
+        name="ring_collective_time",
+        page="ddp_vs_fsdp",
+        task="Return the alpha-beta time of one ring `collective` ('all_reduce', 'reduce_scatter' or 'all_gather') "
+        "of `nbytes` on `n` ranks: `alpha_s` per hop, and each hop moves one n-th of the tensor at `bandwidth` "
+        "bytes per second.",
+        signature="def ring_time(collective: str, nbytes: float, n: int, alpha_s: float, bandwidth: float) -> float:",
+        solution="costs.ring_time",
+        library="distlab.predict.costmodel.CollectiveModel.nccl",
+        trial=ring_time_trial,
+        ranks=1,
+        mistakes={
+            "reduce_scatter_only": "that is a reduce-scatter's time. A ring all-reduce is a reduce-scatter and then "
+            "an all-gather: 2(n-1) hops, and 2(n-1)/n of the tensor through each link.",
+            "whole_tensor_per_hop": "each hop moves one segment, S/n bytes, not the whole tensor: the bandwidth term "
+            "is (hops / n) * S / B.",
+            "latency_once": "the latency is paid on every hop, since each hop waits for the one before: hops * alpha.",
+            "no_latency": "the latency term is missing: hops * alpha, which decides the time of small messages.",
+            "all_reduce_factor": "only the all-reduce runs two phases. A reduce-scatter or an all-gather is one: "
+            "n-1 hops and (n-1)/n of the tensor.",
+        },
+    ),
+    Exercise(
+        name="bytes_sent_per_step",
+        page="ddp_vs_fsdp",
+        task="Return the bytes one rank sends in one optimizer step of `strategy` ('ddp', 'zero1', 'zero2', 'fsdp' "
+        "or 'fsdp-no-reshard') for `parameters` values on `n` ranks, by NCCL's ring, gradients reduced in "
+        "`reduce_bytes` per value and parameters gathered in `gather_bytes` (every value gathered in forward, and "
+        "again in backward where the strategy frees it).",
+        signature="def bytes_sent_per_step(strategy: str, parameters: int, n: int, reduce_bytes: int, "
+        "gather_bytes: int) -> float:",
+        solution="costs.bytes_sent_per_step",
+        library="distlab.predict.traffic.expected_bytes_per_step",
+        trial=bytes_sent_trial,
+        ranks=1,
+        mistakes={
+            "forgot_backward_gather": "FULL_SHARD frees each unit after its forward, so backward gathers it again: "
+            "two all-gathers and one reduce-scatter, three (n-1)/n passes over the values where DDP makes two.",
+            "no_reshard_gathers_twice": "SHARD_GRAD_OP keeps the gathered parameters from forward to backward: one "
+            "all-gather and one reduce-scatter, DDP's volume.",
+            "zero_without_gather": "after each rank steps its slice, the updated parameters must reach every rank: "
+            "ZeRO-1 and ZeRO-2 all-gather them, so they send what DDP sends.",
+            "wrong_dtype": "each collective carries its own dtype: the gradients (all-reduce, reduce-scatter) in "
+            "reduce_bytes, the parameters (all-gather) in gather_bytes.",
+            "whole_tensor": "a ring sends (n-1)/n of the tensor from each rank per phase, not the whole of it.",
+        },
+    ),
+)

@@ -1,3 +1,291 @@
-"""Exercises: (to come)."""
+"""The DDP chapter's exercises: average the gradients after backward, overlap that with backward, and give
+each rank its own slice of the data.
 
-EXERCISES = ()
+Every rank builds the same toy model (a frozen bias included) and every rank's micro-batch from seeded
+generators, so each rank computes, alone, the gradient one process gets on the whole batch: the number DDP's
+averaging must reproduce. The sampler's answer is ``torch.utils.data.DistributedSampler``'s, asked for every
+rank's slice; the learner's function is pure there, so each rank also asks it for the other ranks' slices and
+checks their union.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from ..testing import ToyWithFrozen
+from .catalog import Exercise
+from .trial import Trial
+
+COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor"}
+
+
+def _setup(seed: int, samples: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The toy model every rank builds alike (rank 0's weights, as DDP's broadcast leaves them) and the
+    global batch, from one generator."""
+    generator = torch.Generator().manual_seed(seed)
+    model = ToyWithFrozen()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) / 2)
+    x = torch.randn(samples, 11, generator=generator)
+    y = torch.randint(5, (samples,), generator=generator)
+    return model, x, y
+
+
+def _gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    return {name: p.grad.detach().cpu().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _all_reduces(t: Trial, since: int) -> list[dict]:
+    return [c for c in t.tracer.calls[since:] if c["op"] == "all_reduce"]
+
+
+def _check_gradients(t: Trial, model, reference: dict, own: dict, since: int, before: dict | None = None) -> None:
+    """Every trainable gradient is the whole batch's; the frozen parameter still has none."""
+    n = t.world_size
+    for name, p in model.named_parameters():
+        if before is not None and not torch.allclose(p.detach().cpu(), before[name], atol=1e-6, rtol=1e-5):
+            ratio = (p.detach().cpu().abs().sum() / before[name].abs().sum()).item()
+            t.fail(f"parameter {name}", f"it changed (now {ratio:.3g}x its size before your call); the "
+                   "gradients should, not the weights", "averaged_parameters")  # fmt: skip
+        what = f"gradient of {name}"
+        if not p.requires_grad:
+            if p.grad is not None:
+                t.fail(f"gradient of the frozen {name}", "it is a tensor; it was None", "frozen_given_grad")
+            continue
+        if p.grad is None:
+            t.fail(what, "it is None", "gradient_dropped")
+        got = p.grad.detach().cpu()
+        if got.shape == own[name].shape and torch.allclose(got, own[name]) and n > 1:
+            every_parameter = [q.numel() * q.element_size() for q in model.parameters()]
+            calls = _all_reduces(t, since)
+            if [c.get("bytes") for c in calls] == every_parameter:
+                t.fail(what, f"it is rank {t.rank}'s own gradient; the {len(calls)} all-reduces had the sizes of "
+                       "every parameter, the frozen one included", "averaged_parameters")  # fmt: skip
+            said = f"{len(calls)} all-reduce(s) on other tensors" if calls else "no collective at all"
+            t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient: {said}", "local_gradient")
+        if n > 1 and got.shape == reference[name].shape and torch.allclose(got, n * reference[name]):
+            t.fail(what, f"it is {n} times the average over the {n} ranks: the sum", "summed")
+        t.expect_close(got, reference[name], what)
+
+
+GRADIENT_CASES = ((4, 11), (2, 12), (3, 13))
+"""(samples per rank, seed)."""
+
+
+def average_gradients_trial(t: Trial, fn) -> None:
+    n, r = t.world_size, t.rank
+    for per_rank, seed in GRADIENT_CASES:
+        with t.case(f"{per_rank} samples per rank"):
+            model, x, y = _setup(seed, per_rank * n)
+            reference = _gradients(copy.deepcopy(model), x, y)  # one process, the whole batch
+            model.to(t.device)
+            mine = slice(r * per_rank, (r + 1) * per_rank)
+            own = _gradients(model, x[mine].to(t.device), y[mine].to(t.device))
+            before = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+            since = len(t.tracer.calls)
+            t.call(fn, model)
+            _check_gradients(t, model, reference, own, since, before)
+    calls = _all_reduces(t, since)
+    t.note(f"{len(calls)} all-reduce(s) a step, {sum(c.get('bytes', 0) for c in calls)} bytes of gradients: "
+           "NaiveDDP makes one per trainable parameter; BucketedDDP packs them into a few buckets.")  # fmt: skip
+
+
+def overlap_gradients_trial(t: Trial, fn) -> None:
+    n, r, per_rank = t.world_size, t.rank, 4
+    model, x, y = _setup(21, 2 * per_rank * n)
+    mine = [slice(step * per_rank * n + r * per_rank, step * per_rank * n + (r + 1) * per_rank) for step in (0, 1)]
+    references = [_gradients(copy.deepcopy(model), x[k * per_rank * n : (k + 1) * per_rank * n],
+                             y[k * per_rank * n : (k + 1) * per_rank * n]) for k in (0, 1)]  # fmt: skip
+    owns = [_gradients(copy.deepcopy(model), x[s], y[s]) for s in mine]
+    model.to(t.device)
+    seen: dict[str, int] = {}  # all-reduces started when the last gradient of backward (fc1.weight's) arrived
+    model.fc1.weight.register_post_accumulate_grad_hook(lambda p: seen.update(last=len(_all_reduces(t, seen["at"]))))
+    with t.case("registering the hooks"):
+        finish = t.call(fn, model)
+        if not callable(finish):
+            t.fail("return value", f"it is {type(finish).__name__}, not the function that waits", "no_finish")
+    for step in (0, 1):
+        with t.case(f"step {step + 1}"):
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x[mine[step]].to(t.device)), y[mine[step]].to(t.device))
+            seen.update(at=len(t.tracer.calls), last=0)
+            t.call(loss.backward)
+            launched = _all_reduces(t, seen["at"])
+            timing = "timing of the all-reduces"
+            if not launched:
+                t.fail(timing, "no all-reduce started during backward: nothing overlapped it", "after_backward")
+            if not seen["last"]:
+                t.fail(timing, "every all-reduce started after fc1.weight's gradient, the last of backward, was "
+                       "ready: nothing overlapped backward", "after_backward")  # fmt: skip
+            blocking = [c for c in launched if c["done"]]
+            if blocking:
+                t.fail(timing, f"{len(blocking)} of its {len(launched)} all-reduces returned before backward went "
+                       "on: each was waited for inside its hook", "blocking")  # fmt: skip
+            t.call(finish)
+            _check_gradients(t, model, references[step], owns[step], seen["at"])
+    t.note(f"when fc1.weight's gradient, the last, arrived, {seen['last']} all-reduce(s) were already in flight.")
+
+
+SHARD_CASES = ((11, 0, 0, False), (11, 0, 1, False), (11, 42, 3, True), (12, 7, 2, False))
+"""(samples, seed, epoch, drop_last): 11 divides by none of 2, 3 and 4; 12 by all of them."""
+
+
+def shard_trial(t: Trial, fn) -> None:
+    n_ranks = t.world_size
+    for samples, seed, epoch, drop_last in SHARD_CASES:
+        with t.case(f"{samples} samples at epoch {epoch} of seed {seed}{' with drop_last' if drop_last else ''}"):
+            args = (samples, n_ranks)
+
+            def sampler(rank: int, epoch: int = epoch, shuffle: bool = True) -> list[int]:
+                s = DistributedSampler(range(samples), n_ranks, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+                s.set_epoch(epoch)
+                return list(s)
+
+            def ask(rank: int, epoch: int = epoch) -> list[int]:
+                got = t.call(fn, *args, rank, seed, epoch, drop_last)
+                try:
+                    return [int(i) for i in got]
+                except (TypeError, ValueError):
+                    t.fail(f"slice for rank {rank}", f"it returned {type(got).__name__}, not indices", "not_indices")
+
+            expected = [sampler(rank) for rank in range(n_ranks)]
+            got = [ask(rank) for rank in range(n_ranks)]
+            _diagnose_shards(t, got, expected, samples, sampler, ask, epoch)
+            t.expect_close(torch.tensor(got[t.rank]), torch.tensor(expected[t.rank]), "slice",
+                           locate=lambda i: f"position {i}")  # fmt: skip
+    t.note("every rank's slice is DistributedSampler's, and together they cover the dataset.")
+
+
+def _diagnose_shards(t: Trial, got, expected, samples, sampler, ask, epoch) -> None:
+    n = t.world_size
+    sizes = [len(g) for g in got]
+    if n > 1 and any(size == samples for size in sizes):
+        t.fail("split of the dataset", f"a rank got all {samples} samples", "whole_dataset")
+    if n > 1 and all(g == got[0] for g in got):
+        t.fail(
+            "split of the dataset", f"every rank got the same {sizes[0]} indices {got[0][:4]}...", "same_on_every_rank"
+        )
+    if len(set(sizes)) > 1:
+        t.fail("split of the dataset", ", ".join(f"rank {r} got {s}" for r, s in enumerate(sizes)) + " samples",
+               "uneven_shards")  # fmt: skip
+    if got == [sampler(rank, shuffle=False) for rank in range(n)]:
+        t.fail(
+            "split of the dataset",
+            f"rank r got r, r + {n}, r + {2 * n}, ... in order: nothing was shuffled",
+            "not_shuffled",
+        )
+    if all(ask(rank, epoch + 1) == g for rank, g in enumerate(got)):
+        t.fail("split of the dataset", f"epoch {epoch} and epoch {epoch + 1} gave the same slices", "epoch_ignored")
+    have, want = Counter(i for g in got for i in g), Counter(i for g in expected for i in g)
+    if have != want:
+        owners = {i: " and ".join(str(r) for r, g in enumerate(got) if i in g) for i in have}
+        extra = [f"sample {i} is on ranks {owners[i]}" + (f" ({have[i]} times; the sampler has it {want[i]})"
+                 if want[i] > 1 else "") for i in sorted(have) if have[i] > want[i]]  # fmt: skip
+        never = [f"sample {i} is on no rank" if not have[i] else f"sample {i} is there {have[i]} times, not {want[i]}"
+                 for i in sorted(want) if have[i] < want[i]]  # fmt: skip
+        t.fail("split of the dataset", "; ".join((extra + never)[:3]), "overlap_or_missing")
+    permutation = [expected[k % n][k // n] for k in range(sum(map(len, expected)))]  # padded, or cut
+    per_rank = sizes[0]
+    if got != expected and all(g == permutation[r * per_rank : (r + 1) * per_rank] for r, g in enumerate(got)):
+        t.fail("split of the dataset", f"rank {t.rank} got a block of {per_rank} consecutive positions of the "
+               "permutation", "contiguous_blocks")  # fmt: skip
+
+
+SAMPLER_MISTAKES = {
+    "whole_dataset": "a rank got the whole dataset. DistributedSampler gives each rank about 1/N of it: "
+    "the positions rank, rank + N, rank + 2N, ... of one shuffled order.",
+    "same_on_every_rank": "every rank got the same samples, so N ranks compute N copies of one gradient. "
+    "Start at position `rank` and step by `world_size`: order[rank::world_size].",
+    "uneven_shards": "the ranks got different numbers of samples. Each rank runs one backward (one all-reduce) "
+    "per batch, so a rank with fewer batches leaves the others waiting. Pad the order with its first "
+    "indices up to a multiple of N (drop_last=False), or cut it down to one (drop_last=True), before slicing.",
+    "overlap_or_missing": "the slices overlap or leave samples out. Every rank must cut the same permutation: "
+    "draw it with a torch.Generator seeded with seed + epoch, not the global RNG, which differs by rank.",
+    "epoch_ignored": "the order does not change with the epoch, as when sampler.set_epoch(epoch) is forgotten. "
+    "DistributedSampler seeds its generator with seed + epoch.",
+    "not_shuffled": "the order is not shuffled: draw torch.randperm(num_samples, generator=g) first.",
+    "contiguous_blocks": "you cut the permutation into consecutive blocks: a valid split, but not "
+    "DistributedSampler's, which strides: order[rank::world_size].",
+    "not_indices": "return the indices, as a list or a 1-d tensor of integers.",
+}
+GRADIENT_MISTAKES = {
+    "summed": "the gradients are the sum over ranks, N times the average: divide each by "
+    "dist.get_world_size() after the all-reduce (all_reduce sums).",
+    "local_gradient": "the gradients are still each rank's own. all_reduce works in place on the tensor you give "
+    "it: pass p.grad itself, not a copy such as p.grad / n or p.grad.clone().",
+    "averaged_parameters": "you reduced the parameters. DDP keeps the weights equal by averaging the gradients, "
+    "so that every rank takes the same step: all-reduce p.grad, not p or p.data.",
+    "frozen_given_grad": "a frozen parameter (requires_grad=False) got a gradient. Skip parameters whose .grad is "
+    "None: DDP reduces only what trains.",
+    "gradient_dropped": "a trainable parameter lost its gradient: leave .grad a tensor.",
+    "frozen_none_grad": "a parameter with requires_grad=False (here fc1.bias) has .grad None after backward. "
+    "Skip it: `if p.grad is None: continue`.",
+}
+
+
+def _frozen_none(failure: dict) -> str | None:
+    text = f"{failure['message']} {failure.get('code') or ''}"
+    if "NoneType" in text or "Expected parameter `tensor`" in text:
+        return "frozen_none_grad"
+    if "doesn't require gradient" in text:
+        return "hooked_frozen"
+    return None
+
+
+EXERCISES = (
+    Exercise(
+        name="average_gradients",
+        page="ddp",
+        task="After each rank's backward on its own micro-batch, make every gradient the average over the ranks: "
+        "all-reduce each parameter's .grad, divide by the world size, and skip parameters that have no gradient.",
+        signature="def average_gradients(model: torch.nn.Module) -> None:",
+        solution="ddp.average_gradients",
+        library="distlab.parallel.mini_ddp.NaiveDDP.finish_gradient_sync",
+        trial=average_gradients_trial,
+        mistakes=GRADIENT_MISTAKES,
+        on_error=_frozen_none,
+        pages=("labs/lab_ddp_mnist",),
+    ),
+    Exercise(
+        name="overlap_gradients",
+        page="ddp",
+        task="Register a hook on every trainable parameter that, as soon as its gradient is ready during backward, "
+        "divides it by the world size and starts its all-reduce with async_op=True; return a function `finish()` "
+        "that waits for every all-reduce started (call it after backward, before the optimizer step).",
+        signature="def overlap_gradients(model: torch.nn.Module):",
+        solution="ddp.overlap_gradients",
+        library="distlab.parallel.mini_ddp.BucketedDDP._gradient_ready",
+        trial=overlap_gradients_trial,
+        mistakes={
+            **GRADIENT_MISTAKES,
+            "after_backward": "the all-reduces started only once backward was over, so none overlapped it. "
+            "Start each one from p.register_post_accumulate_grad_hook, which runs the moment p.grad is ready.",
+            "blocking": "each hook waited for its all-reduce, so backward stopped at every parameter. Pass "
+            "async_op=True, keep the handle, and wait for the handles in finish().",
+            "hooked_frozen": "a hook cannot be registered on a parameter with requires_grad=False (here fc1.bias): "
+            "hook only `p.requires_grad` parameters.",
+            "no_finish": "return the function that waits for the all-reduces (it takes no argument).",
+        },
+        on_error=_frozen_none,
+    ),
+    Exercise(
+        name="shard_indices",
+        page="ddp",
+        task="Return the sample indices DistributedSampler(dataset of num_samples, world_size, rank, shuffle=True, "
+        "seed=seed, drop_last=drop_last) yields after set_epoch(epoch): a permutation seeded with seed + epoch, "
+        "padded (or cut) to a multiple of world_size, then every world_size-th index from position rank.",
+        signature="def shard_indices(num_samples, world_size, rank, seed, epoch, drop_last) -> torch.Tensor:",
+        solution="ddp.shard_indices",
+        library="distlab.data.shard_indices",
+        trial=shard_trial,
+        mistakes=SAMPLER_MISTAKES,
+    ),
+)

@@ -28,7 +28,8 @@ from .source import is_stub, module_source
 from .trial import RECEIVES, rank_main
 
 START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
-PRELOADED = ["torch", "torch.distributed", "distlab.exercises.trial", "distlab.runtime"]
+# FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
 STARTUP_S = 180.0
 """How long the ranks may take to start (the first check starts a server that imports torch once)."""
 
@@ -157,6 +158,7 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
         context.Process(
             target=rank_main,
             args=(
+                exercise.trial.__module__,
                 exercise.name,
                 str(workdir / "solution.py"),
                 fn_name,
@@ -278,9 +280,13 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
         )
         return verdict("raised", text, mistake)
     waiting = [f for f in failures if f["kind"] == "raised" and f["collective"]] or len(present) < world
-    if waiting and _collective_counts_differ(traces):
-        return _stuck(exercise, reports, traces, where, timeout_s, verdict)
     wrong = [f for f in failures if f["kind"] == "wrong"]
+    first_wrong_case = min((_case_index(present, f) - 1 for f in wrong), default=None)
+    stuck_cases = [p["case"] for p in map(_pending, traces) if p is not None]
+    # a rank that stopped at a wrong answer leaves its peers waiting in the next case: the answer came first
+    wrong_came_first = first_wrong_case is not None and stuck_cases and first_wrong_case < min(stuck_cases)
+    if waiting and _collective_counts_differ(traces) and not wrong_came_first:
+        return _stuck(exercise, reports, traces, where, timeout_s, verdict)
     if wrong:
         # the first case that failed, on the rank whose answer tells the mistake apart if one does
         first = min(wrong, key=lambda f: (_case_index(present, f), not f["certain"], f["mistake"] is None, f["rank"]))

@@ -103,7 +103,9 @@ def module_source(fn) -> tuple[str, str]:
     visit(fn, fn.__name__)
     own = _source_of(fn, f"`{fn.__name__}`")
     _refuse_decorators(own, fn.__name__)
-    parts = ["import torch", "import torch.distributed as dist", *dict.fromkeys(imports), *constants, *bodies, own]
+    # annotations stay unevaluated: a hint like `nn.Module` names what the body may never use
+    head = ["from __future__ import annotations", "import torch", "import torch.distributed as dist"]
+    parts = [*head, *dict.fromkeys(imports), *constants, *bodies, own]
     return "\n\n".join(parts) + "\n", fn.__name__
 
 

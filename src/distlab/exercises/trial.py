@@ -10,11 +10,14 @@ rank killed in a deadlock still says what it was waiting for.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import json
 import os
+import re
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -27,11 +30,16 @@ from ..errors import collective_failure
 TRACED = (
     "send", "recv", "isend", "irecv", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
     "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all_single", "barrier",
+    "all_gather_single", "reduce_scatter_single",  # torch 2.14's names for the *_tensor pair
 )  # fmt: skip
 SENDS = {"send": "dst", "isend": "dst"}
 RECEIVES = {"recv": "src", "irecv": "src"}
 # isend and irecv are also compared by identity inside torch (P2POp checks its op is one of them)
 IDENTITY_CHECKED = ("isend", "irecv")
+
+
+# "[rank1]:[F1126 12:00:00.000 file.cc:12] " and "[/path/to/gloo/file.cc:129] ": where in C++, not what happened
+TORCH_LOG_PREFIX = re.compile(r"^(\[rank\d+\]:)?(\[[A-Z]\d{4} [^\]]*\] |\[[^\]]*\.(cc|cpp|h):\d+\] )*", re.M)
 
 
 class StopTrial(Exception):
@@ -49,11 +57,12 @@ class Tracer:
         self.path = path
         self.calls: list[dict] = []
         self.inside = False  # torch's send is its isend waited on: only the learner's own call is traced
+        self.case = -1  # the index of the case running, set by Trial.case
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed by the rank's exit)
 
     def record(self, op: str, args: tuple, kwargs: dict) -> dict:
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
-        call = {"op": op, "n": len(self.calls) + 1, "done": False}
+        call = {"op": op, "n": len(self.calls) + 1, "done": False, "case": self.case}
         if isinstance(tensor, torch.Tensor):
             call["bytes"] = tensor.numel() * tensor.element_size()
         peer_key = SENDS.get(op) or RECEIVES.get(op)
@@ -137,6 +146,7 @@ class Trial:
     def case(self, label: str) -> Iterator[None]:
         self.case_label = label
         self.cases.append(label)
+        self.tracer.case = len(self.cases) - 1
         yield
 
     def call(self, fn: Callable, *args, **kwargs):
@@ -153,7 +163,8 @@ class Trial:
         frames = traceback.extract_tb(err.__traceback__)
         mine = [f for f in frames if f.filename == self.solution_file]
         where = mine[-1] if mine else None
-        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        text = TORCH_LOG_PREFIX.sub("", str(err).strip())
+        message = text.splitlines()[0] if text else ""
         failure = {
             "kind": "raised",
             "case": self.case_label,
@@ -237,16 +248,19 @@ def _load(path: str, name: str) -> Callable:
     return getattr(module, name)
 
 
-def rank_main(exercise: str, solution: str, name: str, rank: int, world_size: int, port: int, workdir: str,
-              device: str, timeout_s: float) -> None:  # fmt: skip
-    """One rank of a check (started by :mod:`.grader`): report to ``workdir/rank{rank}.json``."""
+def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, world_size: int, port: int,
+              workdir: str, device: str, timeout_s: float) -> None:  # fmt: skip
+    """One rank of a check (started by :mod:`.grader`): run ``exercise`` of the chapter ``module`` on the
+    learner's ``name`` from the file ``solution``; report to ``workdir/rank{rank}.json``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
+    # torch's deprecation notices are not the learner's to act on, and would drown what their code printed
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     torch.manual_seed(1234 + rank)  # this process's own generator: the trials draw their data from their own
     from ..runtime import distributed
-    from .catalog import get
 
     work = Path(workdir)
     tracer = Tracer(work / f"rank{rank}.trace.jsonl")
@@ -258,7 +272,7 @@ def rank_main(exercise: str, solution: str, name: str, rank: int, world_size: in
         try:
             fn = trial.call(_load, solution, name)
             with tracer.installed(), redirect_stdout(printed), redirect_stderr(printed):
-                get(exercise).trial(trial, fn)
+                next(e for e in importlib.import_module(module).EXERCISES if e.name == exercise).trial(trial, fn)
         except (StopTrial, LearnerRaised):
             report["status"] = trial.failure["kind"]
         except Exception as err:  # noqa: BLE001 (the grader's own failure, said in one line)

@@ -1,3 +1,452 @@
-"""Exercises: (to come)."""
+"""The ZeRO chapter's exercises: a ZeRO-1 step, ZeRO-2's gradient shard, a ZeRO-3 unit, and the bytes per rank.
 
-EXERCISES = ()
+The first three work on :class:`distlab.parallel.flat_param.FlatParams`'s picture: ``numel`` values padded with
+zeros to a multiple of N and cut into N equal shards, rank r owning shard r. Every rank draws every rank's data
+from generators seeded by the case, so it computes what the collectives should leave it (the averaged gradient,
+the stepped parameters) alone, with no collective of its own. Every rank makes all its calls of the learner's
+function before it checks any: a rank whose answer is wrong is reported wrong, not as the other ranks left
+waiting in its next call's collective. The fourth is graded against :func:`distlab.predict.memory.expected_state_bytes`.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from functools import partial
+from itertools import product
+
+import torch
+
+from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
+from .catalog import Exercise
+from .trial import LearnerRaised, Trial
+
+NUMELS = (11, 12)
+"""Values in a flat buffer: 11 needs padding on 2, 3 or 4 ranks, 12 divides by 2, 3 and 4."""
+LR, BETA = 0.1, 0.9
+UNITS = ((4, 2), (2, 3))
+"""The ZeRO-3 unit, a linear layer (in, out): 4 -> 2 is 10 values (padded on 3 or 4 ranks), 2 -> 3 is 9 (on 2
+or 4)."""
+
+
+def _values(numel: int, padded: int, seed: int) -> torch.Tensor:
+    """``numel`` small integers, then zeros up to ``padded``."""
+    flat = torch.zeros(padded)
+    flat[:numel] = torch.randint(-9, 10, (numel,), generator=torch.Generator().manual_seed(seed)).float()
+    return flat
+
+
+def _layout(numel: int, n: int) -> tuple[int, int]:
+    size = -(-numel // n)
+    return size, size * n
+
+
+def _locate(size: int, numel: int, offset: int = 0) -> Callable[[int], str]:
+    def locate(index: int) -> str:
+        index += offset
+        padding = " (padding)" if index >= numel else ""
+        return f"shard {index // size} (rank {index // size}'s), value {index}{padding}"
+
+    return locate
+
+
+def _cpu(x):
+    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+
+
+def _run_then_check(t: Trial, calls: Iterable[tuple[str, Callable[[], Callable[[], None]]]]) -> None:
+    """``calls``: (case, call), ``call()`` runs the learner once and returns the check of what it did. Every call
+    is made before any check, so every rank calls the collectives as often whatever its answers."""
+    checks = []
+    try:
+        with warnings.catch_warnings():  # torch 2.13's renaming of the equal-shard collectives: not the learner's
+            warnings.filterwarnings("ignore", r".*is deprecated\. Please use `torch\.distributed", FutureWarning)
+            for label, call in calls:
+                with t.case(label):
+                    checks.append((label, call()))
+    except LearnerRaised:
+        raised = t.failure
+        _check(t, checks)  # a wrong answer before the exception says more than the exception it led to
+        t.failure = raised
+        raise
+    _check(t, checks)
+
+
+def _check(t: Trial, checks: list) -> None:
+    cases = list(t.cases)
+    for index, (label, check) in enumerate(checks):
+        t.case_label, t.cases = label, [label for label, _ in checks[: index + 1]]  # the grader orders by case
+        check()
+    t.cases = cases
+
+
+def _values_of(size: int, k: int) -> str:
+    return f"values {k * size}..{(k + 1) * size - 1}"
+
+
+# --- ZeRO-1 ------------------------------------------------------------------------------------------------
+
+
+def zero1_trial(t: Trial, fn) -> None:
+    _run_then_check(t, _zero1_calls(t, fn))
+
+
+def _zero1_calls(t: Trial, fn):
+    for numel in NUMELS:
+        size, padded = _layout(numel, t.world_size)
+        reference = _values(numel, padded, seed=numel)  # the same model on every rank
+        momentum_all = torch.zeros(padded)  # every shard's momentum
+        params, momentum = reference.to(t.device), None
+        for step in (1, 2):
+            grad = _values(numel, padded, seed=100 * numel + step)
+            momentum_all = BETA * momentum_all + grad
+            before, reference = reference, reference - LR * momentum_all
+            got = {}
+
+            def call(got=got, grad=grad, momentum=momentum):  # called as soon as it is yielded
+                got["momentum"] = t.call(fn, params, grad.to(t.device), momentum, LR, BETA)
+                seen = {"momentum": _cpu(got["momentum"]), "params": _cpu(params)}
+                return partial(_zero1_check, t, seen, before, reference, momentum_all, size, numel)
+
+            yield f"{numel} values{f' padded to {padded}' if padded > numel else ''}, step {step}", call
+            momentum = got["momentum"]  # the learner's own state, fed back into its next step
+
+
+def _zero1_check(t: Trial, got: dict, before, expected, momentum_all, size: int, numel: int) -> None:
+    r, n = t.rank, t.world_size
+    momentum, params = got["momentum"], got["params"]
+    shard = [slice(k * size, (k + 1) * size) for k in range(n)]
+    if not isinstance(momentum, torch.Tensor):
+        t.fail("momentum", f"expected this rank's {size} values, got {type(momentum).__name__}", "not_a_tensor")
+    if momentum.numel() != size:
+        why = f"it holds {momentum.numel()} values; rank {r} keeps the momentum of its own shard only, {size} of"
+        t.fail("momentum", f"{why} {n * size} (1/{n})", "state_not_sharded" if momentum.numel() >= numel else None)
+    momentum = momentum.reshape(-1)
+    if not _close(momentum, momentum_all[shard[r]]):
+        for k in range(n):
+            if k != r and _close(momentum, momentum_all[shard[k]]):
+                why = f"it is shard {k}'s ({_values_of(size, k)}); rank {r} steps shard {r}, {_values_of(size, r)}"
+                t.fail("momentum", why, "wrong_shard")
+        t.expect_close(momentum, momentum_all[shard[r]], "momentum", locate=_locate(size, numel, r * size))
+    moved = [k for k in range(n) if not torch.equal(expected[shard[k]], before[shard[k]])]
+    stale = [k for k in moved if torch.equal(params[shard[k]], before[shard[k]])]
+    if r in stale:
+        why = f"its own shard {r} ({_values_of(size, r)}) still holds the values before the step"
+        t.fail("flat_params", why, "not_in_place")
+    if stale:
+        held = f"shards {', '.join(map(str, stale))} still hold" if len(stale) > 1 else f"shard {stale[0]} still holds"
+        why = f"{held} the values before the step; only shard {r}, this rank's, is stepped"
+        t.fail("flat_params", why, "no_all_gather")
+    t.expect_close(params, expected, "flat_params", locate=_locate(size, numel))
+
+
+# --- ZeRO-2 and ZeRO-3: a shard of the averaged gradient ------------------------------------------------------
+
+
+def _observed(t: Trial, got, since: int) -> dict:
+    """What the grader needs of a returned shard once the next call has run: its values, the bytes its storage
+    holds, the collectives called."""
+    storage = got.untyped_storage().nbytes() if isinstance(got, torch.Tensor) else 0
+    return {"got": _cpu(got), "storage": storage, "ops": t.tracer.ops(since)}
+
+
+def _gradient_check(t: Trial, seen: dict, mean: torch.Tensor, numel: int) -> None:
+    """The returned gradient shard against ``mean``, the averaged flat gradient, padded."""
+    r, n, got = t.rank, t.world_size, seen["got"]
+    size, padded = _layout(numel, n)
+    if not isinstance(got, torch.Tensor):
+        t.fail("returned shard", f"expected a tensor of {size} values, got {type(got).__name__}", "not_a_tensor")
+    got = got.reshape(-1)
+    if got.numel() != size:
+        if got.numel() in (numel, padded):
+            mistake, why = "whole_gradient", "the whole gradient's"
+        elif got.numel() in (numel // n, max(0, min(size, numel - r * size))):
+            mistake, why = "no_padding", f"a shard of the {numel} values unpadded"
+        else:
+            mistake, why = None, "not a shard"
+        why += f"; rank {r} keeps shard {r}: ceil({numel}/{n}) = {size} values, 1/{n} of the gradient padded to"
+        t.fail("returned shard", f"it holds {got.numel()} values, {why} {padded}", mistake)
+    shard = [mean[k * size : (k + 1) * size] for k in range(n)]
+    if not _close(got, shard[r]):
+        if _close(got, n * shard[r]):
+            t.fail("gradient shard", f"it is the sum over the {n} ranks, {n} times the average", "summed")
+        for k in range(n):
+            if k != r and (_close(got, shard[k]) or _close(got, n * shard[k])):
+                why = f"it is shard {k} ({_values_of(size, k)}); rank {r} keeps shard {r}, {_values_of(size, r)}"
+                t.fail("gradient shard", why, "wrong_shard")
+        t.expect_close(got, shard[r], "gradient shard", locate=_locate(size, numel, r * size))
+    if "all_reduce" in seen["ops"]:
+        why = "it called dist.all_reduce: every rank received the whole summed gradient, sending 2(n-1)/n ="
+        t.fail("choice of collective", f"{why} {2 * (n - 1) / n:.2f} times its bytes, to keep 1/{n}", "all_reduced")
+    if seen["storage"] > size * got.element_size():
+        why = f"it is a view of a buffer of {seen['storage'] // got.element_size()} values: that whole buffer"
+        t.fail("returned shard", f"{why} stays in memory as long as the {size}-value shard does", "gradient_kept")
+
+
+def shard_gradient_trial(t: Trial, fn) -> None:
+    _run_then_check(t, ((f"{k} values on {t.world_size} ranks", partial(_shard_call, t, fn, k)) for k in NUMELS))
+
+
+def _shard_call(t: Trial, fn, numel: int):
+    n = t.world_size
+    grads = [_values(numel, numel, seed=1000 * numel + rank) for rank in range(n)]
+    mean = torch.cat([sum(grads), torch.zeros(_layout(numel, n)[1] - numel)]) / n
+    since = len(t.tracer.calls)
+    seen = _observed(t, t.call(fn, grads[t.rank].clone().to(t.device)), since)
+    return partial(_gradient_check, t, seen, mean, numel)
+
+
+def _on_error_padding(failure: dict) -> str | None:
+    return "no_padding" if re.search(r"world_?size", failure["message"], re.IGNORECASE) else None
+
+
+# --- ZeRO-3 --------------------------------------------------------------------------------------------------
+
+
+def _unit_loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    fan_out, fan_in = y.shape[1], x.shape[1]
+    weight = flat[: fan_out * fan_in].view(fan_out, fan_in)
+    bias = flat[fan_out * fan_in : fan_out * fan_in + fan_out]
+    return ((x @ weight.T + bias - y) ** 2).mean()
+
+
+def _unit_data(fan_in: int, fan_out: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7000 + 100 * fan_in + 10 * fan_out + rank)
+    x = torch.randint(-3, 4, (2, fan_in), generator=generator).float()
+    return x, torch.randint(-3, 4, (2, fan_out), generator=generator).float()
+
+
+def zero3_trial(t: Trial, fn) -> None:
+    labels = [f"linear {i} -> {o}, {o * i + o} values on {t.world_size} ranks" for i, o in UNITS]
+    _run_then_check(t, ((label, partial(_zero3_call, t, fn, *unit)) for label, unit in zip(labels, UNITS)))
+
+
+def _zero3_call(t: Trial, fn, fan_in: int, fan_out: int):
+    n, r, numel = t.world_size, t.rank, fan_out * fan_in + fan_out
+    size, padded = _layout(numel, n)
+    full = _values(numel, padded, seed=numel)
+    batches = [_unit_data(fan_in, fan_out, rank) for rank in range(n)]
+    grads = []
+    for x, y in batches:  # one process's gradient of each rank's loss, at the whole parameter
+        leaf = full.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(_unit_loss(leaf, x, y), leaf)[0])
+    gathered = []
+
+    def loss_fn(flat):
+        if not isinstance(flat, torch.Tensor) or flat.numel() != padded:
+            got = flat.numel() if isinstance(flat, torch.Tensor) else type(flat).__name__
+            why = f"loss_fn takes the unit's whole flat parameter, {padded} values (padding included); it got"
+            raise ValueError(f"{why} {got} (this rank's shard is {size})")
+        gathered.append((flat.detach().cpu().clone(), weakref.ref(flat)))
+        return _unit_loss(flat.reshape(-1), *(v.to(flat.device) for v in batches[r]))
+
+    since = len(t.tracer.calls)
+    seen = _observed(t, t.call(fn, full[r * size : (r + 1) * size].clone().to(t.device), loss_fn), since)
+    gc.collect(1)  # a cycle made during the call (the full collection takes 0.15 s with torch loaded)
+    seen["kept"] = [_alive_bytes(ref) for _, ref in gathered]
+    seen["gathered"] = [values for values, _ in gathered]
+    return partial(_zero3_check, t, seen, full, sum(grads) / n, numel)
+
+
+def _alive_bytes(ref: weakref.ref) -> tuple[int, int]:
+    """Bytes the gathered parameter and its gradient still hold (0, 0 once it is gone or resized to nothing)."""
+    tensor = ref()
+    if tensor is None:
+        return 0, 0
+    grad = tensor.grad
+    return tensor.untyped_storage().nbytes(), grad.untyped_storage().nbytes() if grad is not None else 0
+
+
+def _zero3_check(t: Trial, seen: dict, full, mean, numel: int) -> None:
+    size, _ = _layout(numel, t.world_size)
+    if not seen["gathered"]:
+        t.fail("unit", "loss_fn was never called: gather the whole parameter, then call loss_fn on it", "not_gathered")
+    t.expect_close(seen["gathered"][0].reshape(-1), full, "gathered parameter", locate=_locate(size, numel))
+    for kept in seen["kept"]:
+        alive = [f"{what} ({b} bytes)" for what, b in zip(("the gathered parameter", "its gradient"), kept) if b]
+        if alive:
+            why = f"{' and '.join(alive)} {'are' if len(alive) > 1 else 'is'} still alive after your function returned"
+            t.fail(
+                "memory after the call",
+                f"{why}; rank {t.rank} should keep only its {size}-value shard",
+                "gathered_kept",
+            )
+    _gradient_check(t, seen, mean, numel)
+
+
+# --- Bytes per rank --------------------------------------------------------------------------------------------
+
+TERMS = ("parameters", "gradients", "optimizer_state")
+DIVIDES = {"ddp": (), "zero1": TERMS[2:], "zero2": TERMS[1:], "zero3": TERMS}
+"""The terms each stage divides by N."""
+COUNTER = 4
+"""Adam's float32 step counter, one per tensor it steps (one flat tensor here)."""
+PSIS, WORLD_SIZES = (1_000_000, 7_000_000_001), (1, 3, 8)
+"""Ψ that divides by 8 and not by 3, and a 7B model that divides by neither."""
+
+
+def _count(
+    term: str, precision: str, psi: int, n: int, divided: bool, padded: bool, master: bool = True, counter: bool = True
+) -> tuple[list[float], str]:
+    """One way of counting ``term``: the bytes it gives (unpadded shards: Ψ/N exactly, or rounded down), and the
+    arithmetic in words."""
+    shard = -(-psi // n)
+    if divided:
+        values, said = ([shard], f"ceil(Ψ/N) = {shard:,} values") if padded else ([psi / n, psi // n], "Ψ/N values")
+    elif padded:
+        values, said = [shard * n], f"ceil(Ψ/N)·N = {shard * n:,} values (the padded buffer)"
+    else:
+        values, said = [psi], f"Ψ = {psi:,} values"
+    per_value = BYTES_PER_VALUE["adam", precision][TERMS.index(term)] - (0 if master else 4)
+    extra = COUNTER if term == "optimizer_state" and counter else 0
+    said += f" × {per_value} bytes" + (" + 4 (Adam's step counter)" if extra else "")
+    return [v * per_value + extra for v in values], said
+
+
+def _diagnose(term: str, strategy: str, precision: str, psi: int, n: int, got: float) -> str | None:
+    """The mistake a wrong ``term`` is, where one way of counting it wrongly gives ``got``: a term divided or not
+    divided by N, then the master copy left out, the padding left out or added, the step counter left out."""
+    right = (term in DIVIDES[strategy], strategy != "ddp", True, True)
+    state = term == "optimizer_state"
+    for change in product((False, True), repeat=4):
+        if (change[2] and not (state and precision == "mixed")) or (change[3] and not state) or not any(change):
+            continue
+        way = [value != flip for value, flip in zip(right, change)]
+        if any(abs(value - got) < 0.5 for value in _count(term, precision, psi, n, *way)[0]):
+            if change[0]:
+                if strategy == "zero2" and not state:
+                    return "zero2_wrong_term"
+                return "sharded_too_early" if way[0] else "not_sharded"
+            return "no_master_copy" if change[2] else "no_padding" if change[1] else "step_counter"
+    return None
+
+
+def bytes_trial(t: Trial, fn) -> None:
+    for strategy, precision in product(DIVIDES, ("fp32", "mixed")):
+        with t.case(f"{strategy}, {precision}"):
+            for psi, n in product(PSIS, WORLD_SIZES):
+                _bytes_check(t, t.call(fn, psi, strategy, n, precision), strategy, precision, psi, n)
+
+
+def _bytes_check(t: Trial, got, strategy: str, precision: str, psi: int, n: int) -> None:
+    where = f"at Ψ={psi:,}, N={n}"
+    if isinstance(got, (tuple, list)) and len(got) == 3:
+        got = dict(zip(TERMS, got))
+    if not isinstance(got, dict) or set(TERMS) - set(got):
+        t.fail(f"answer {where}", f"expected a dict with keys {', '.join(TERMS)}, got {got!r:.80}", "not_a_dict")
+    expected = expected_state_bytes(psi, strategy, n, "adam", precision)
+    for term in TERMS:
+        value = got[term]
+        if not isinstance(value, (int, float)) or abs(value - expected[term]) >= 0.5:
+            right = _count(term, precision, psi, n, term in DIVIDES[strategy], strategy != "ddp")
+            shown = f"{value:,}" if isinstance(value, (int, float)) else repr(value)
+            mistake = _diagnose(term, strategy, precision, psi, n, value) if isinstance(value, (int, float)) else None
+            t.fail(f"{term} {where}", f"{shown} bytes, expected {expected[term]:,} = {right[1]}", mistake)
+
+
+# --- The exercises -------------------------------------------------------------------------------------------
+
+SHARD_MISTAKES = {
+    "summed": "you summed the gradients without dividing by the number of ranks. Data parallelism averages: "
+    "divide by N, before the reduce-scatter (as the library does, so low precision cannot overflow) or after.",
+    "wrong_shard": "rank r owns shard r of the flat buffer, values r*size to (r+1)*size - 1 with size = "
+    "ceil(numel / N): the order torch's all-gather and reduce-scatter use.",
+    "whole_gradient": "you returned the whole gradient. Each rank keeps 1/N of it: ceil(numel / N) values, its "
+    "own shard; a reduce-scatter (reduce_scatter_flat) leaves exactly that.",
+    "no_padding": "pad the flat buffer with zeros to a multiple of N first, so that every shard has "
+    "ceil(numel / N) values: the equal-shard collectives need N equal pieces.",
+    "all_reduced": "an all-reduce sends twice the bytes of a reduce-scatter and leaves every rank the whole "
+    "gradient; a reduce-scatter (reduce_scatter_flat) sends (n-1)/n of them and leaves each rank its shard.",
+    "gradient_kept": "the shard you returned is a view of a whole-sized buffer, which lives as long as the view "
+    "does. Reduce into a tensor of shard size (or return a .clone() of the slice).",
+}
+
+EXERCISES = (
+    Exercise(
+        name="zero1_step",
+        page="fsdp_from_scratch",
+        task="Every rank holds the whole padded `flat_params` and the whole averaged `flat_grad`. Step only this "
+        "rank's shard r (SGD with momentum: m = beta * m + g, p -= lr * m, with `momentum` this shard's state, None "
+        "at the first step), all-gather every rank's stepped shard into `flat_params` in place, and return the new "
+        "momentum of this rank's shard.",
+        signature="def zero1_step(flat_params: torch.Tensor, flat_grad: torch.Tensor, momentum, lr: float, "
+        "beta: float) -> torch.Tensor:",
+        solution="zero.zero1_step",
+        library="distlab.parallel.zero.ShardedBucket",
+        trial=zero1_trial,
+        mistakes={
+            "state_not_sharded": "you kept momentum for the whole buffer. ZeRO-1's saving is exactly that each rank "
+            "keeps the optimizer state of its own 1/N shard: step flat_params[r*size:(r+1)*size] only.",
+            "wrong_shard": "rank r steps shard r, values r*size to (r+1)*size - 1 with size = flat_params.numel() / N: "
+            "the order in which an all-gather lays the ranks' shards.",
+            "no_all_gather": "each rank stepped its own shard, but the others never arrived: all-gather every rank's "
+            "stepped shard into flat_params (all_gather_flat(stepped_shard, flat_params.numel()), then copy).",
+            "not_in_place": "flat_params must hold the new values when your function returns: write into it "
+            "(the all-gather's output is flat_params itself) rather than making a new tensor.",
+        },
+    ),
+    Exercise(
+        name="zero2_shard_gradient",
+        page="fsdp_from_scratch",
+        task="`grad` is this rank's own flat gradient (numel values). Return this rank's shard of the gradient "
+        "averaged over the ranks: ceil(numel / N) values, padded with zeros at the end, made by one reduce-scatter.",
+        signature="def shard_gradient(grad: torch.Tensor) -> torch.Tensor:",
+        solution="zero.shard_gradient",
+        library="distlab.parallel.zero.ShardedBucket.reduce_scatter",
+        trial=shard_gradient_trial,
+        mistakes=SHARD_MISTAKES,
+        on_error=_on_error_padding,
+    ),
+    Exercise(
+        name="zero3_unit",
+        page="fsdp_from_scratch",
+        task="`shard` is this rank's shard of a unit's padded flat parameter. Gather the whole parameter, run "
+        "`loss_fn(full)` and backward, and return this rank's shard of the gradient averaged over the ranks, keeping "
+        "nothing whole once your function returns.",
+        signature="def zero3_unit(shard: torch.Tensor, loss_fn) -> torch.Tensor:",
+        solution="zero.zero3_unit",
+        library="distlab.parallel.mini_fsdp.ShardedUnit",
+        trial=zero3_trial,
+        mistakes={
+            **SHARD_MISTAKES,
+            "not_gathered": "loss_fn needs the unit's whole parameter: all-gather every rank's shard into a buffer "
+            "of N * shard.numel() values first (all_gather_flat(shard, N * shard.numel())).",
+            "gathered_kept": "ZeRO-3 holds a unit whole only while it computes. Keep no reference to the gathered "
+            "buffer (in a global, a cache, the return value); the library resizes its storage to zero bytes.",
+        },
+        on_error=lambda failure: "not_gathered" if "loss_fn takes" in failure["message"] else None,
+        pages=("labs/lab_fsdp",),
+    ),
+    Exercise(
+        name="zero_bytes_per_rank",
+        page="fsdp_from_scratch",
+        task="Return the bytes one rank holds for training with Adam, as a dict with keys parameters, gradients and "
+        "optimizer_state, for strategy ddp, zero1, zero2 or zero3, world_size N and precision fp32 or mixed.",
+        signature="def bytes_per_rank(num_params: int, strategy: str, world_size: int, precision: str) -> dict:",
+        solution="zero.bytes_per_rank",
+        library="distlab.predict.memory.expected_state_bytes",
+        trial=bytes_trial,
+        ranks=1,
+        mistakes={
+            "no_master_copy": "mixed precision keeps an fp32 master copy of the parameters in the optimizer state "
+            "beside Adam's two moments: 4 + 4 + 4 = 12 bytes a value, not 8.",
+            "sharded_too_early": "each stage divides one more term by N: ZeRO-1 the optimizer state only, ZeRO-2 also "
+            "the gradients, ZeRO-3 also the parameters; DDP divides nothing.",
+            "not_sharded": "this stage divides that term by N: ZeRO-1 the optimizer state, ZeRO-2 also the "
+            "gradients, ZeRO-3 all three.",
+            "zero2_wrong_term": "ZeRO-2 divides the gradients and the optimizer state by N, and keeps the "
+            "parameters whole on every rank.",
+            "no_padding": "a ZeRO stage pads its flat buffer with zeros to a multiple of N: a shard holds "
+            "ceil(Ψ/N) values, and a whole buffer ceil(Ψ/N)·N (DDP holds exactly Ψ).",
+            "step_counter": "Adam keeps a 4-byte step counter beside its moments, one per tensor it steps (one flat "
+            "tensor here): add 4 to the optimizer state.",
+        },
+    ),
+)
