@@ -175,3 +175,14 @@ def test_what_the_learners_function_prints_comes_back_with_the_answer():
     verdict = grade("ring_reduce_scatter", prints_and_is_wrong)
     assert verdict.status == "wrong", verdict.message
     assert "rank 1 printed:\n    rank 1 starts with" in verdict.message
+
+
+def test_check_prints_the_answer_folded_for_a_notebook(capsys):
+    from distlab.exercises import check
+
+    def ring_all_reduce(tensor):
+        raise NotImplementedError
+
+    check("ring_all_reduce", ring_all_reduce)
+    printed = capsys.readouterr().out
+    assert printed.startswith("✎ ring_all_reduce") and max(map(len, printed.splitlines())) <= 100

@@ -15,6 +15,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import textwrap
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +56,17 @@ class Verdict:
 
 def check(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> None:
     """Grade ``fn`` as exercise ``name`` on real ranks and print the answer (see :func:`grade`)."""
-    print(grade(name, fn, ranks=ranks, device=device, timeout_s=timeout_s).message, flush=True)
+    print(wrapped(grade(name, fn, ranks=ranks, device=device, timeout_s=timeout_s).message), flush=True)
+
+
+def wrapped(message: str, width: int = 100) -> str:
+    """Each line of ``message`` folded to ``width`` columns (a notebook's output box does not fold), its
+    continuation indented under the line's own text."""
+    lines = []
+    for line in message.splitlines():
+        indent = len(line) - len(line.lstrip())
+        lines.append(textwrap.fill(line, width, subsequent_indent=" " * (indent + 2), break_long_words=False))
+    return "\n".join(lines)
 
 
 def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> Verdict:
