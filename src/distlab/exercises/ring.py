@@ -83,6 +83,14 @@ def _expected_bytes(length: int, n: int, hops: int, first_offset: int, rank: int
     )
 
 
+def _at_most_the_ring_bytes(t: Trial, since: int, expected: int, collective: str) -> None:
+    sent = t.tracer.bytes_sent(since)
+    if sent > expected:
+        t.fail(
+            "traffic", f"it sent {sent} bytes; a ring {collective} sends {expected} from this rank", "sends_too_much"
+        )
+
+
 def reduce_scatter_trial(t: Trial, fn) -> None:
     n, r = t.world_size, t.rank
     for length in LENGTHS:
@@ -112,13 +120,7 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
                 t.fail("returned segment", f"it holds the sum over every rank except rank {left_out}", "partial_sum")
             _which_segment(t, got, mine, length, n, (r + 1) % n)
             t.expect_close(got, total[a:b], "returned segment", mistakes, _segment_locator(length, n, a))
-            sent, expected = t.tracer.bytes_sent(since), _expected_bytes(length, n, n - 1, 0, r)
-            if sent > expected:
-                t.fail(
-                    "traffic",
-                    f"it sent {sent} bytes; a ring reduce-scatter sends {expected} from this rank",
-                    "sends_too_much",
-                )
+            _at_most_the_ring_bytes(t, since, _expected_bytes(length, n, n - 1, 0, r), "reduce-scatter")
 
 
 def all_gather_trial(t: Trial, fn) -> None:
@@ -152,13 +154,7 @@ def all_gather_trial(t: Trial, fn) -> None:
                 ):
                     t.fail("tensor", f"segment {segment} holds the right values plus old ones", "added_not_copied")
             t.expect_close(got, full, "tensor", locate=_segment_locator(length, n))
-            sent, expected = t.tracer.bytes_sent(since), _expected_bytes(length, n, n - 1, 1, r)
-            if sent > expected:
-                t.fail(
-                    "traffic",
-                    f"it sent {sent} bytes; a ring all-gather sends {expected} from this rank",
-                    "sends_too_much",
-                )
+            _at_most_the_ring_bytes(t, since, _expected_bytes(length, n, n - 1, 1, r), "all-gather")
 
 
 def all_reduce_trial(t: Trial, fn) -> None:
