@@ -104,11 +104,11 @@ def solutions_pass(page: str) -> list[str]:
     return [e.name for e in exercises]
 
 
+WRITE_IT = "Write its body in the cell above, run that cell, then run this one again."
+
+
 def _not_filled(exercise: Exercise, fn) -> Verdict:
-    message = (
-        f"✎ {exercise.name}: `{fn.__name__}` is still the empty stub. {exercise.task} "
-        f"Write its body in the cell above, run that cell, then run this one again."
-    )
+    message = f"✎ {exercise.name}: `{fn.__name__}` is still the empty stub. {exercise.task} {WRITE_IT}"
     return Verdict(exercise.name, "not_filled", message)
 
 
@@ -282,7 +282,8 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
     if own:
         first = min(own, key=lambda f: f["time"])
         if first["error"] == "NotImplementedError":
-            return verdict("not_filled", f"✎ {name}: your function still raises NotImplementedError. {exercise.task}")
+            said = f"✎ {name}: your function still raises NotImplementedError. {exercise.task} {WRITE_IT}"
+            return verdict("not_filled", said)
         line = f" at line {first['line']} of your `{first['function']}`: {first['code']}" if first["line"] else ""
         mistake = exercise.on_error(first) if exercise.on_error else None
         text = (
