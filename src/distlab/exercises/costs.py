@@ -6,23 +6,13 @@ answer is compared with what each typical mistake would give on the same inputs.
 
 from __future__ import annotations
 
-import math
-
 from ..predict.costmodel import RING_FACTOR, RING_STEPS, CollectiveModel, collective_calls
 from ..predict.gpu_specs import SYSTEMS
 from .catalog import Exercise
-from .trial import Trial
+from .trial import Trial, numbers_close, size_label
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 SIZES = (4 << 10, 1 << 20, 256 << 20)
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
-
-
-def _close(a, b) -> bool:
-    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15)
 
 
 def _ring_mistakes(collective: str, nbytes: float, n: int, alpha: float, bw: float) -> dict[str, float]:
@@ -42,13 +32,16 @@ def _ring_mistakes(collective: str, nbytes: float, n: int, alpha: float, bw: flo
 def _check_ring(t: Trial, fn, collective: str, nbytes: int, n: int, alpha: float, bw: float) -> None:
     expected = CollectiveModel.nccl(collective, n, bw, alpha, 0.0).time_s(nbytes)
     got = t.call(fn, collective, nbytes, n, alpha, bw)
-    if _close(got, expected):
+    if numbers_close(got, expected):
         return
-    mistake = next((k for k, v in _ring_mistakes(collective, nbytes, n, alpha, bw).items() if _close(got, v)), None)
+    mistake = next(
+        (k for k, v in _ring_mistakes(collective, nbytes, n, alpha, bw).items() if numbers_close(got, v)), None
+    )
     steps, factor = RING_STEPS[collective](n), RING_FACTOR[collective](n)
     shown = f"{got * 1e6:.6g} us" if isinstance(got, (int, float)) else repr(got)
-    terms = f"{steps} hop{'s' * (steps != 1)} x {alpha * 1e6:g} us + {factor:.3g} x {_size(nbytes)} / {bw / 1e9:g} GB/s"
-    what = f"{collective} of {_size(nbytes)} on {n} ranks"
+    size = size_label(nbytes)
+    terms = f"{steps} hop{'s' * (steps != 1)} x {alpha * 1e6:g} us + {factor:.3g} x {size} / {bw / 1e9:g} GB/s"
+    what = f"{collective} of {size} on {n} ranks"
     t.fail("time", f"{what}: got {shown}, expected {expected * 1e6:.6g} us = {terms}", mistake)
 
 
@@ -98,9 +91,9 @@ def _bytes_mistakes(strategy: str, p: int, n: int, r: int, g: int) -> list[tuple
 def _check_bytes(t: Trial, fn, strategy: str, p: int, n: int, r: int, g: int) -> None:
     expected = expected_bytes(strategy, p, n, r, g)
     got = t.call(fn, strategy, p, n, r, g)
-    if _close(got, expected):
+    if numbers_close(got, expected):
         return
-    mistake = next((k for k, v in _bytes_mistakes(strategy, p, n, r, g) if _close(got, v)), None)
+    mistake = next((k for k, v in _bytes_mistakes(strategy, p, n, r, g) if numbers_close(got, v)), None)
     number = isinstance(got, (int, float))
     shown = f"{got / 1e9:.6g} GB ({got / (p * r):.4g} x the gradients' bytes)" if number else repr(got)
     what = f"{strategy}, {p:,} parameters, {r}-byte gradients and {g}-byte parameters on the wire"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
-import socket
 import sys
 import tempfile
 import textwrap
@@ -24,11 +23,11 @@ from pathlib import Path
 import torch
 
 from ..errors import DistlabError
+from ..testing import RANK_START_METHOD, free_port
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
 from .trial import RECEIVES, rank_main
 
-START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
 # FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
 STARTUP_S = 180.0
@@ -132,15 +131,9 @@ def _placement(exercise: Exercise, ranks: int | None, device: str) -> tuple[str,
     return device, world
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _context():
-    context = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
+    context = mp.get_context(RANK_START_METHOD)
+    if RANK_START_METHOD == "forkserver":
         context.set_forkserver_preload(PRELOADED)  # read once, when the server starts
     return context
 
@@ -164,7 +157,7 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
     """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
     stop what is left. Returns each rank's report (None if it wrote none), its traced calls, and whether any
     rank ended on its own without a report (rank -> exit code)."""
-    context, port = _context(), _free_port()
+    context, port = _context(), free_port()
     processes = [
         context.Process(
             target=rank_main,

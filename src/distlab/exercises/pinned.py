@@ -8,12 +8,10 @@ on one rank, on a grid of inputs; a wrong answer is compared with what each typi
 
 from __future__ import annotations
 
-import math
-
 from ..predict.stream_scenarios import single_copy
 from ..predict.streams import Inputs, StreamModel, pcie_GBps
 from .catalog import Exercise
-from .trial import Trial
+from .trial import Trial, numbers_close, size_label
 
 MiB = 1 << 20
 LINKS = (
@@ -22,14 +20,6 @@ LINKS = (
     (pcie_GBps(5), 12.0, 4 * MiB, "PCIe 5.0 x16, staging at 12 GB/s, 4 MiB buffers"),
 )
 SIZES = (64 << 10, 5 * MiB, 64 * MiB)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes >> 10} KiB"
-
-
-def _close(a, b) -> bool:
-    return isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
 
 
 def model_copy_time(nbytes: int, pinned: bool, link: float, stage: float, chunk: int) -> float:
@@ -57,16 +47,17 @@ def copy_time_trial(t: Trial, fn) -> None:
                 for nbytes in SIZES:
                     expected = model_copy_time(nbytes, pinned, link, stage, chunk)
                     got = t.call(fn, nbytes, pinned, link, stage, chunk)
-                    if _close(got, expected):
+                    if numbers_close(got, expected):
                         continue
                     mistake = next(
-                        (k for k, v in _copy_mistakes(nbytes, pinned, link, stage, chunk) if _close(got, v)), None
+                        (k for k, v in _copy_mistakes(nbytes, pinned, link, stage, chunk) if numbers_close(got, v)),
+                        None,
                     )
                     shown = f"{got * 1e3:.6g} ms" if isinstance(got, (int, float)) else repr(got)
-                    staging = "" if pinned else f" ({-(-nbytes // chunk)} chunk(s) of at most {_size(chunk)})"
+                    staging = "" if pinned else f" ({-(-nbytes // chunk)} chunk(s) of at most {size_label(chunk)})"
                     t.fail(
                         "copy time",
-                        f"{_size(nbytes)} from {'pinned' if pinned else 'pageable'} memory: got "
+                        f"{size_label(nbytes)} from {'pinned' if pinned else 'pageable'} memory: got "
                         f"{shown}, the model says {expected * 1e3:.6g} ms{staging}",
                         mistake,
                     )

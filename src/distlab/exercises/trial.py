@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import time
@@ -239,6 +240,16 @@ class Trial:
         """Something true of a passing answer worth saying (rank 0's notes are shown)."""
         if text not in self.notes:
             self.notes.append(text)
+
+
+def numbers_close(got, expected: float) -> bool:
+    """A plain number (what the arithmetic exercises return) equal to ``expected`` but for rounding."""
+    return isinstance(got, int | float) and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def size_label(nbytes: float) -> str:
+    """``nbytes`` as the cases name it: MiB from one on, KiB below."""
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
 
 
 def _load(path: str, name: str) -> Callable:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import re
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -22,7 +21,7 @@ import torch
 
 from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from .catalog import Exercise
-from .trial import LearnerRaised, Trial
+from .trial import Trial
 
 NUMELS = (11, 12)
 """Values in a flat buffer: 11 needs padding on 2, 3 or 4 ranks, 12 divides by 2, 3 and 4."""
@@ -62,29 +61,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _run_then_check(t: Trial, calls: Iterable[tuple[str, Callable[[], Callable[[], None]]]]) -> None:
-    """``calls``: (case, call), ``call()`` runs the learner once and returns the check of what it did. Every call
-    is made before any check, so every rank calls the collectives as often whatever its answers."""
-    checks = []
-    try:
-        with warnings.catch_warnings():  # torch 2.13's renaming of the equal-shard collectives: not the learner's
-            warnings.filterwarnings("ignore", r".*is deprecated\. Please use `torch\.distributed", FutureWarning)
-            for label, call in calls:
-                with t.case(label):
-                    checks.append((label, call()))
-    except LearnerRaised:
-        raised = t.failure
-        _check(t, checks)  # a wrong answer before the exception says more than the exception it led to
-        t.failure = raised
-        raise
-    _check(t, checks)
-
-
-def _check(t: Trial, checks: list) -> None:
-    cases = list(t.cases)
-    for index, (label, check) in enumerate(checks):
-        t.case_label, t.cases = label, [label for label, _ in checks[: index + 1]]  # the grader orders by case
-        check()
-    t.cases = cases
+    """``calls``: (case, call), ``call()`` runs the learner once and returns the check of what it did; each case is
+    checked as soon as it ran (a rank that stops at a wrong answer leaves its peers waiting in the next case's
+    collective, and the grader reports the wrong answer, which came first)."""
+    for label, call in calls:
+        with t.case(label):
+            call()()
 
 
 def _values_of(size: int, k: int) -> str:
