@@ -10,6 +10,7 @@ rank killed in a deadlock still says what it was waiting for.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import FunctionType, ModuleType
 
 import torch
 import torch.distributed as dist
@@ -240,6 +242,70 @@ class Trial:
         """Something true of a passing answer worth saying (rank 0's notes are shown)."""
         if text not in self.notes:
             self.notes.append(text)
+
+
+REACH_LIMIT = 200_000
+"""Objects walked at most, so that a learner's global holding a large structure still ends the walk."""
+
+
+def storages_reached(fn: Callable) -> set[int]:
+    """The data pointers of every non-empty tensor storage the learner's own objects refer to: its module's
+    globals, its functions' closures and defaults, its classes, followed through containers, attributes,
+    gradients, views' bases and autograd graphs.
+
+    What torch or a backend holds internally is not the learner's and is not reached: gloo keeps a finished
+    collective's tensors until its worker thread moves on, and when that happens depends on the machine's load.
+    A weak reference that is still alive says only that *something* holds a tensor; this says whether the
+    learner does, the same way on a quiet and on a busy machine."""
+    home = fn.__globals__.get("__name__") if isinstance(fn, FunctionType) else None
+    stack: list = [fn, *(fn.__globals__.values() if isinstance(fn, FunctionType) else ())]
+    seen: set[int] = set()
+    found: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .grad of a non-leaf warns
+        while stack and len(seen) < REACH_LIMIT:
+            obj = stack.pop()
+            if obj is None or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            stack.extend(_referents(obj, home, found))
+    return found
+
+
+def _referents(obj, home: str | None, found: set[int]) -> list:
+    """What the walk of :func:`storages_reached` follows from ``obj`` (a tensor's storage is recorded in ``found``)."""
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.nbytes():
+            found.add(storage.data_ptr())
+        return [obj.grad, obj._base, obj.grad_fn, *gc.get_referents(obj)]
+    if isinstance(obj, torch.autograd.graph.Node):
+        following = [node for node, _ in obj.next_functions]
+        for name in dir(obj):
+            if name == "variable" or name.startswith("_saved_"):
+                try:
+                    following.append(getattr(obj, name))
+                except RuntimeError:  # saved values already freed by backward
+                    pass
+        return following
+    if isinstance(obj, ModuleType | str | bytes | int | float | complex | bool):
+        return []
+    if isinstance(obj, type):  # the learner's own classes only: torch's and Python's hold nothing of theirs
+        return list(vars(obj).values()) if obj.__module__ == home else []
+    if isinstance(obj, FunctionType):  # a global function's globals are the roots already
+        if obj.__module__ != home:
+            return []
+        cells = [cell.cell_contents for cell in obj.__closure__ or () if _filled(cell)]
+        return [*cells, *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+    return gc.get_referents(obj)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 def numbers_close(got, expected: float) -> bool:

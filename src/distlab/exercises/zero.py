@@ -10,7 +10,6 @@ waiting in its next call's collective. The fourth is graded against :func:`distl
 
 from __future__ import annotations
 
-import gc
 import re
 import weakref
 from collections.abc import Callable, Iterable
@@ -21,7 +20,7 @@ import torch
 
 from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from .catalog import Exercise
-from .trial import Trial
+from .trial import Trial, storages_reached
 
 NUMELS = (11, 12)
 """Values in a flat buffer: 11 needs padding on 2, 3 or 4 ranks, 12 divides by 2, 3 and 4."""
@@ -226,24 +225,28 @@ def _zero3_call(t: Trial, fn, fan_in: int, fan_out: int):
             got = flat.numel() if isinstance(flat, torch.Tensor) else type(flat).__name__
             why = f"loss_fn takes the unit's whole flat parameter, {padded} values (padding included); it got"
             raise ValueError(f"{why} {got} (this rank's shard is {size})")
-        gathered.append((flat.detach().cpu().clone(), weakref.ref(flat)))
+        record = {"values": flat.detach().cpu().clone(), "parameter": weakref.ref(flat), "gradient": None}
+        if flat.is_leaf and flat.requires_grad:  # the gradient's own reference, whether or not the parameter lives
+            flat.register_post_accumulate_grad_hook(lambda p: record.update(gradient=weakref.ref(p.grad)))
+        gathered.append(record)
         return _unit_loss(flat.reshape(-1), *(v.to(flat.device) for v in batches[r]))
 
     since = len(t.tracer.calls)
     seen = _observed(t, t.call(fn, full[r * size : (r + 1) * size].clone().to(t.device), loss_fn), since)
-    gc.collect(1)  # a cycle made during the call (the full collection takes 0.15 s with torch loaded)
-    seen["kept"] = [_alive_bytes(ref) for _, ref in gathered]
-    seen["gathered"] = [values for values, _ in gathered]
+    reached = storages_reached(fn)
+    seen["kept"] = [(_kept_bytes(g["parameter"], reached), _kept_bytes(g["gradient"], reached)) for g in gathered]
+    seen["gathered"] = [g["values"] for g in gathered]
     return partial(_zero3_check, t, seen, full, sum(grads) / n, numel)
 
 
-def _alive_bytes(ref: weakref.ref) -> tuple[int, int]:
-    """Bytes the gathered parameter and its gradient still hold (0, 0 once it is gone or resized to nothing)."""
-    tensor = ref()
+def _kept_bytes(ref: weakref.ref | None, reached: set[int]) -> int:
+    """Bytes of the tensor ``ref`` names that the learner's objects still reach (0 once it is gone, resized to
+    nothing, or held only inside torch: the returned shard is checked on its own)."""
+    tensor = ref() if ref is not None else None
     if tensor is None:
-        return 0, 0
-    grad = tensor.grad
-    return tensor.untyped_storage().nbytes(), grad.untyped_storage().nbytes() if grad is not None else 0
+        return 0
+    storage = tensor.untyped_storage()
+    return storage.nbytes() if storage.nbytes() and storage.data_ptr() in reached else 0
 
 
 def _zero3_check(t: Trial, seen: dict, full, mean, numel: int) -> None:
