@@ -6,8 +6,12 @@ calls ``init_process_group``. It reads torchrun's environment (``RANK``,
 (a plain ``python`` run or a notebook cell) it makes a one-rank group in
 memory, so every code path can call collectives the same way.
 
-The backend follows the device: NCCL for CUDA, gloo otherwise. A group that
-is already initialised is reused and left alone on exit.
+Where a job runs is decided once, by :func:`place`, in the process that launches the ranks (a notebook, the
+GPU report, the exercise grader, ``labs.launch``): how many ranks, on which device, with which backend. The
+ranks get the answer as ``--device``/``--backend`` and never decide again. The backend follows the device:
+NCCL for CUDA, gloo otherwise; a CUDA group also carries a gloo leg (``cpu:gloo,cuda:nccl``, as torchtitan
+builds it), so a CPU tensor in a collective is legal on every run. A group that is already initialised is
+reused and left alone on exit.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,11 +48,29 @@ class Runtime:
     device: torch.device
     """Device this rank computes on."""
     backend: str
-    """``nccl`` or ``gloo``."""
+    """``nccl`` or ``gloo``: what carries the training's collectives (on CUDA with NCCL, the group also has a gloo
+    leg for CPU tensors, :data:`CPU_LEG`)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a tensor made for a collective goes: the GPU on NCCL, the host on gloo (gloo moves host memory)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def reduce(self, values, op: Literal["sum", "max", "min", "mean"] = "sum") -> list[float]:
+        """``values`` (numbers) combined over every rank, elementwise: torchtitan's ``dist_max``/``dist_mean``. The
+        tensor is made here, on :attr:`collective_device`, so no caller builds one on the wrong device."""
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.collective_device)
+        if self.world_size > 1:
+            reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                         "min": dist.ReduceOp.MIN}[op]  # fmt: skip
+            dist.all_reduce(tensor, op=reduce_op)
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor.tolist()
 
     def log(self, *args, **kwargs) -> None:
         """Print on rank 0 only, flushed so progress shows under torchrun."""
@@ -64,32 +86,110 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def resolve_device(device: str, local_rank: int, backend: str = "auto") -> torch.device:
-    """Turn ``auto|cpu|cuda`` into this rank's device, or say why not."""
+CPU_LEG = "cpu:gloo,cuda:nccl"
+"""What a CUDA group with NCCL is created with: NCCL for CUDA tensors, gloo for CPU ones (a step time, a flag,
+a count). NCCL alone refuses a CPU tensor ("No backend type associated with device type cpu")."""
+CPU_RANKS = 2
+"""Ranks a job runs without a GPU when the caller does not say: the fewest that show anything distributed."""
+
+
+def gpu_count() -> int:
+    """The CUDA GPUs this process can use. :func:`place` is the only code that reads it to decide anything."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job runs, decided once by :func:`place` and passed to its ranks as values."""
+
+    ranks: int
+    device: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    gpus: int
+    """GPUs on the machine (not all of them need be used)."""
+    reason: str
+    """One line for a learner: what runs where, and what differs from one rank per GPU."""
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """What a rank's command line gets, so that it never decides again."""
+        return ("--device", self.device, "--backend", self.backend)
+
+    @property
+    def shares_gpus(self) -> bool:
+        return self.device == "cuda" and self.ranks > self.gpus
+
+    def gpu_of(self, local_rank: int) -> int | None:
+        """The GPU ``local_rank`` computes on (ranks beyond the GPU count share them, gloo only); None on the CPU."""
+        return local_rank % self.gpus if self.device == "cuda" else None
+
+
+ShortOfGpus = Literal["share", "cpu", "shrink", "refuse"]
+
+
+def place(
+    ranks: int | None = None,
+    device: str = "auto",
+    backend: str = "auto",
+    *,
+    gpus: int | None = None,
+    short_of_gpus: ShortOfGpus = "share",
+) -> Placement:
+    """How many ranks, on which device, with which backend, for a job on a machine with ``gpus`` GPUs (this
+    machine's when None; tests pass 0, 1, 2, 4, 8).
+
+    ``ranks=None`` is one rank per GPU, or :data:`CPU_RANKS` on the CPU. NCCL needs one GPU per rank; when a job
+    asks for more ranks than GPUs, ``short_of_gpus`` says what happens with ``device="auto"``: ``share``, gloo
+    ranks share the GPUs (rank r on GPU r mod gpus); ``cpu``, gloo ranks on the CPU; ``shrink``, one NCCL rank
+    per GPU (at least two GPUs, else the CPU); ``refuse``, a DistlabError. Every refusal is one line that says
+    what to pass instead, raised here, before any rank starts."""
+    gpus = gpu_count() if gpus is None else gpus
     if device not in ("auto", "cpu", "cuda"):
         raise DistlabError(f"unknown device {device!r}: use auto, cpu or cuda")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
+    if backend not in ("auto", "gloo", "nccl"):
+        raise DistlabError(f"unknown backend {backend!r}: use auto, gloo or nccl")
+    if ranks is not None and ranks < 1:
+        raise DistlabError(f"a job needs at least one rank, not {ranks}")
+    if device == "cuda" and gpus == 0:
+        raise DistlabError("--device cuda was asked for but this machine has no usable CUDA GPU: use --device cpu")
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        if backend == "nccl":
+            raise DistlabError("the nccl backend needs CUDA tensors: use --backend gloo with --device cpu")
+        n = ranks or CPU_RANKS
+        why = "no GPU here" if gpus == 0 else "the CPU was asked for"
+        return Placement(n, "cpu", "gloo", gpus, f"{n} gloo rank(s) on the CPU ({why})")
+    n = ranks or gpus
+    if n <= gpus:
+        chosen = "gloo" if backend == "gloo" else "nccl"
+        return Placement(n, "cuda", chosen, gpus, f"{n} {chosen.upper()} rank(s), one per GPU ({gpus} GPU(s) here)")
+    one_each = f"NCCL needs one GPU per rank and this machine has {gpus}"
+    if backend == "nccl" or (backend == "auto" and short_of_gpus == "refuse"):
         raise DistlabError(
-            "--device cuda was asked for but this machine has no usable CUDA GPU; run with --device cpu (gloo) instead"
+            f"{n} ranks asked for: {one_each}; run {gpus} rank(s), or pass --backend gloo to share the GPU(s), "
+            "or --device cpu"
         )
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        if backend == "gloo":
-            # gloo lets several ranks share one GPU (NCCL refuses it).
-            return torch.device("cuda", local_rank % count)
-        raise DistlabError(
-            f"local rank {local_rank} needs GPU {local_rank} but only {count} GPU(s) are visible: "
-            f"use --nproc_per_node={count}, or --backend gloo to share GPUs, or --device cpu",
-            every_rank=True,
-        )
-    return torch.device("cuda", local_rank)
+    if backend == "gloo" or short_of_gpus == "share" or device == "cuda":
+        each = "it" if gpus == 1 else f"them (rank r on GPU r mod {gpus})"
+        return Placement(n, "cuda", "gloo", gpus, f"{n} gloo ranks share {gpus} GPU(s): {one_each}, so gloo shares {each}")
+    if short_of_gpus == "shrink" and gpus >= 2:
+        return Placement(gpus, "cuda", "nccl", gpus, f"{gpus} NCCL ranks, one per GPU, instead of {n}")
+    return Placement(n, "cpu", "gloo", gpus, f"{n} gloo ranks on the CPU: {one_each}")
+
+
+def rank_placement(device: str, backend: str, local_world_size: int, gpus: int | None = None) -> Placement:
+    """What a rank started with ``--device``/``--backend`` runs on: the launcher decided with :func:`place`, and
+    the same call here gives the same answer. ``auto`` from a launcher that did not decide refuses more ranks
+    than GPUs instead of guessing (the same refusal on every rank: rank 0 says it)."""
+    return place(local_world_size, device, backend, gpus=gpus, short_of_gpus="refuse")
+
+
+def rank_device(placement: Placement, local_rank: int) -> torch.device:
+    index = placement.gpu_of(local_rank)
+    return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
 def pick_backend(device: torch.device, backend: str = "auto") -> str:
+    """``nccl`` for CUDA, ``gloo`` otherwise, or the one asked for where it can carry ``device``'s tensors."""
     if backend not in ("auto", "gloo", "nccl"):
         raise DistlabError(f"unknown backend {backend!r}: use auto, gloo or nccl")
     if backend == "auto":
@@ -97,6 +197,11 @@ def pick_backend(device: torch.device, backend: str = "auto") -> str:
     if backend == "nccl" and device.type != "cuda":
         raise DistlabError("the nccl backend needs CUDA tensors: use --backend gloo with --device cpu")
     return backend
+
+
+def group_backend(backend: str) -> str:
+    """What ``init_process_group`` is given for ``backend``: NCCL gets a gloo leg for CPU tensors."""
+    return CPU_LEG if backend == "nccl" else backend
 
 
 GROUP_AS_DEFAULT_ARGUMENT = ("torch.distributed.nn", "torch.distributed.fsdp.sharded_grad_scaler")
@@ -133,8 +238,8 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
 
-    target = resolve_device(device, local_rank, backend)
-    chosen = pick_backend(target, backend)
+    placement = rank_placement(device, backend, _env_int("LOCAL_WORLD_SIZE", world_size))
+    target, chosen = rank_device(placement, local_rank), placement.backend
     if target.type == "cuda":
         torch.cuda.set_device(target)
 
@@ -143,7 +248,7 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     if owns_group:
         for module in GROUP_AS_DEFAULT_ARGUMENT:
             importlib.import_module(module)
-        kwargs = dict(backend=chosen, timeout=timedelta(seconds=timeout_s))
+        kwargs = dict(backend=group_backend(chosen), timeout=timedelta(seconds=timeout_s))
         if chosen == "nccl":
             kwargs["device_id"] = target
         if launched:
@@ -158,7 +263,7 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
             # One rank, no launcher: an in-memory store needs no port.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     else:
-        chosen = dist.get_backend()
+        chosen = "nccl" if "nccl" in dist.get_backend() else "gloo"  # a group with a gloo leg names both
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
     runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)

@@ -23,7 +23,7 @@ from ..cli import parse
 from ..config import TrainConfig
 from ..errors import DistlabError
 from ..results import read_result
-from ..runtime import resolve_device
+from ..runtime import place
 
 
 @dataclass
@@ -274,11 +274,12 @@ def train(
     args = [str(a) for a in args]
     # A bad flag fails here, before any rank starts.
     cfg = parse(TrainConfig, [*args, "--out", str(out)], "distlab.train")
-    device = resolve_device(cfg.parallel.device, 0, cfg.parallel.backend)
-    run_name = cfg.run_name(nproc, device.type)
+    placement = place(nproc, cfg.parallel.device, cfg.parallel.backend)  # decided here; the ranks are told
+    run_name = cfg.run_name(placement.ranks, placement.device)
     torchrun(
         "distlab.train",
         *args,
+        *placement.args,
         "--out",
         str(out),
         "--run-name",
