@@ -233,6 +233,14 @@ def _grace_after_sigterm(seconds: float) -> Iterator[None]:
         os.close(write_end)  # the watcher reads the end of the pipe and returns
 
 
+KNOWN_TORCH_ERRORS = {
+    "No backend type associated with device type cpu": "a CPU tensor went into a collective of a group that has "
+    "NCCL only: create the group with a gloo leg (backend='cpu:gloo,cuda:nccl', as distlab.runtime.distributed "
+    "does), or move the tensor to the GPU first",
+}
+"""torch's errors whose cause is known, by a phrase of their message: the fix, said in one line."""
+
+
 def run_main(main, argv=None) -> None:
     """Call ``main(argv)`` and turn the errors a user can fix into one line.
 
@@ -269,6 +277,10 @@ def run_main(main, argv=None) -> None:
             raise SystemExit(130) from None
         except Exception as err:
             kind = collective_failure(err)
+            fix = next((f for phrase, f in KNOWN_TORCH_ERRORS.items() if phrase in str(err)), None)
+            if kind is None and fix is not None:
+                say(f"distlab: error on rank {rank}: {str(err).strip().splitlines()[0][:200]}: {fix}")
+                raise SystemExit(1) from None
             if kind is None:
                 raise
             report_collective_failure(err, kind, rank, say)

@@ -35,8 +35,16 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str | None:
+    """The course's own commit (``-dirty`` with uncommitted code changes), read from the checkout this package
+    sits in at ``<checkout>/src/distlab``; None where that is not a checkout of its own (a wheel, or a copy of
+    the course inside another repository, whose commit says nothing about this code)."""
     here = Path(__file__).resolve().parent
     try:
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != here.parents[1]:
+            return None
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
         )

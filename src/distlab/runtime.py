@@ -163,6 +163,8 @@ def place(
         chosen = "gloo" if backend == "gloo" else "nccl"
         return Placement(n, "cuda", chosen, gpus, f"{n} {chosen.upper()} rank(s), one per GPU ({gpus} GPU(s) here)")
     one_each = f"NCCL needs one GPU per rank and this machine has {gpus}"
+    if short_of_gpus == "shrink" and gpus >= 2 and backend != "gloo":
+        return Placement(gpus, "cuda", "nccl", gpus, f"{gpus} NCCL ranks, one per GPU, instead of {n}")
     if backend == "nccl" or (backend == "auto" and short_of_gpus == "refuse"):
         raise DistlabError(
             f"{n} ranks asked for: {one_each}; run {gpus} rank(s), or pass --backend gloo to share the GPU(s), "
@@ -170,9 +172,8 @@ def place(
         )
     if backend == "gloo" or short_of_gpus == "share" or device == "cuda":
         each = "it" if gpus == 1 else f"them (rank r on GPU r mod {gpus})"
-        return Placement(n, "cuda", "gloo", gpus, f"{n} gloo ranks share {gpus} GPU(s): {one_each}, so gloo shares {each}")
-    if short_of_gpus == "shrink" and gpus >= 2:
-        return Placement(gpus, "cuda", "nccl", gpus, f"{gpus} NCCL ranks, one per GPU, instead of {n}")
+        why = f"{n} gloo ranks share {gpus} GPU(s): {one_each}, so gloo shares {each}"
+        return Placement(n, "cuda", "gloo", gpus, why)
     return Placement(n, "cpu", "gloo", gpus, f"{n} gloo ranks on the CPU: {one_each}")
 
 

@@ -12,6 +12,7 @@ checkpoint can save and restore.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -431,12 +432,11 @@ def train(cfg: TrainConfig, runtime: Runtime, state: TrainState | None = None) -
     return TrainResult(run.model, state, run.parameters, tolerance.log.summary())
 
 
-def slowest_median_step_s(result: TrainResult, skip: int = 3) -> float | None:
+def slowest_median_step_s(result: TrainResult, runtime: Runtime, skip: int = 3) -> float | None:
     """Median wall time of the optimizer steps after the first ``skip``, the slowest rank's."""
     times = result.state.step_times_s[skip:]
-    median = torch.tensor([statistics.median(times) if times else float("nan")], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return None if median.isnan().item() else median.item()
+    (slowest,) = runtime.reduce([statistics.median(times) if times else float("nan")], "max")
+    return None if math.isnan(slowest) else slowest
 
 
 def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
@@ -451,7 +451,7 @@ def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
         "total_time_s": total_time,
         "parameters": result.parameters,
         "optimizer_steps": result.state.global_step,
-        "step_time_median_s": slowest_median_step_s(result),
+        "step_time_median_s": slowest_median_step_s(result, runtime),
         "fault_tolerance": result.fault_tolerance,
     }
     name = cfg.run_name(runtime.world_size, runtime.device.type)
@@ -459,6 +459,10 @@ def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
     path = finish_run(runtime, cfg.output.out, name, "train", cfg.to_dict(), metrics)
     if path is not None and state is not None:
         torch.save(state, path.with_suffix(".pt"))
+
+
+CONFIG = TrainConfig
+"""The command line of ``python -m distlab.train`` (launchers parse it before starting ranks)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,6 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from ..errors import DistlabError
@@ -79,12 +78,8 @@ def round_robin(
                 local[name].append(time.perf_counter() - start)
             if after is not None:
                 after(name)
-    slowest = {}
-    for name, times in local.items():
-        tensor = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)  # after the timing, so it disturbs none of it
-        slowest[name] = tensor.tolist()
-    return slowest
+    # after the timing, so it disturbs none of it
+    return {name: runtime.reduce(times, "max") for name, times in local.items()}
 
 
 class Progress:

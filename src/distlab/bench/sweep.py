@@ -150,7 +150,8 @@ def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress
             trainee.step(tokens, targets)
         rows.append(
             {"variant": name, **VARIANTS[name], **summarize_times(times[name]), "times_s": times[name]}
-            | {"traffic": counted.summary(), "memory": {"ranks": memory}}
+            | {"traffic": counted.summary(), "traffic_by_device": dict(counted.bytes_by_device)}
+            | {"memory": {"ranks": memory}}
             | ({"cuda_memory": cuda_peaks(trainee, tokens, targets, runtime)} if runtime.device.type == "cuda" else {})
         )
     units = shard_unit_shapes(local.model)
@@ -172,6 +173,9 @@ def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress
         },
         "variants": rows,
     }
+
+
+CONFIG = SweepConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,6 +43,15 @@ _COLLECTIVES = {
 }
 
 
+def _device_type(arg) -> str | None:
+    """The device of the first tensor in a (nested) list of tensors."""
+    if isinstance(arg, torch.Tensor):
+        return arg.device.type
+    if isinstance(arg, (list, tuple)):
+        return next((d for d in map(_device_type, arg) if d is not None), None)
+    return None
+
+
 def _nbytes(arg) -> int:
     """Bytes of a tensor, or of a (nested) list of tensors, as the c10d operators receive them."""
     if isinstance(arg, torch.Tensor):
@@ -54,18 +63,23 @@ def _nbytes(arg) -> int:
 
 class TrafficCounter(TorchDispatchMode):
     """Inside ``with TrafficCounter(world_size) as counted:``, every collective this
-    rank calls is added to ``counted.bytes_sent`` and ``counted.calls``, by collective."""
+    rank calls is added to ``counted.bytes_sent`` and ``counted.calls``, by collective, and to
+    ``counted.bytes_by_device`` by the device type of its tensors: on a CUDA run with NCCL, every byte of a
+    training step is on ``cuda`` (a ``cpu`` byte there went through the group's gloo leg, slowly)."""
 
     def __init__(self, world_size: int):
         super().__init__()
         self.world_size = world_size
         self.bytes_sent: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.bytes_by_device: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d" and func._opname in _COLLECTIVES:
             collective, which, factor = _COLLECTIVES[func._opname]
-            self.bytes_sent[collective] += factor(self.world_size) * _nbytes(args[which])
+            sent = factor(self.world_size) * _nbytes(args[which])
+            self.bytes_sent[collective] += sent
+            self.bytes_by_device[_device_type(args[which]) or "unknown"] += sent
             self.calls[collective] += 1
         return func(*args, **(kwargs or {}))
 

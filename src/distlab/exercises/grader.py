@@ -20,9 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ..errors import DistlabError
+from ..runtime import Placement, place
 from ..testing import RANK_START_METHOD, free_port
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
@@ -77,7 +76,8 @@ def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout
         if is_stub(fn):
             return _not_filled(exercise, fn)
         source, fn_name = module_source(fn)
-        device, world = _placement(exercise, ranks, device)
+        placement = _placement(exercise, ranks, device)
+        device, world = placement.device, placement.ranks
     except DistlabError as err:
         return Verdict(name, "refused", f"✗ {name}: {err}")
     workdir = Path(tempfile.mkdtemp(prefix=f"distlab-{name}-"))
@@ -111,24 +111,16 @@ def _not_filled(exercise: Exercise, fn) -> Verdict:
     return Verdict(exercise.name, "not_filled", message)
 
 
-def _placement(exercise: Exercise, ranks: int | None, device: str) -> tuple[str, int]:
-    world = exercise.ranks if ranks is None else ranks
-    if world < 1:
-        raise DistlabError(f"ranks must be 1 or more, not {world}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "auto":
-        device = "cuda" if gpus >= 2 or (gpus == 1 and world == 1) else "cpu"
-    if device not in ("cpu", "cuda"):
+def _placement(exercise: Exercise, ranks: int | None, device: str) -> Placement:
+    """Where the check runs, by :func:`distlab.runtime.place`: the exercise's ranks, one NCCL rank per GPU on a
+    machine with enough of them (fewer, one per GPU, when the learner did not ask for a number), gloo on the
+    CPU otherwise. A GPU rank is always an NCCL rank: the exercises send CUDA tensors point to point, which
+    gloo cannot."""
+    if device not in ("auto", "cpu", "cuda"):
         raise DistlabError(f"device must be auto, cpu or cuda, not {device!r}")
-    if device == "cuda":
-        if gpus == 0:
-            raise DistlabError("device='cuda' but this machine has no usable GPU: use device='cpu' (gloo)")
-        if ranks is None:
-            world = min(world, gpus) if world > 1 else 1
-            world = max(world, min(2, exercise.ranks))
-        if world > gpus:
-            raise DistlabError(f"NCCL needs one GPU per rank and this machine has {gpus}: pass ranks={gpus}")
-    return device, world
+    world = exercise.ranks if ranks is None else ranks
+    backend = "nccl" if device == "cuda" else "auto"
+    return place(world, device, backend, short_of_gpus="shrink" if ranks is None else "cpu")
 
 
 def _context():

@@ -85,8 +85,18 @@ class Strategy:
         whole model; otherwise the model is materialised whole, then wrapped (the wrapper may broadcast
         rank 0's weights)."""
         if sharded_init and self.shards_parameters:
-            return materialize(self.wrap(meta, runtime), runtime.device, seed)
+            model = materialize(self.wrap(meta, runtime), self.parameter_device(runtime), seed)
+            for module in model.modules():  # buffers are computed with, wherever the parameters are kept
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(runtime.device)
+            return model
         return self.wrap(materialize(meta, runtime.device, seed), runtime)
+
+    def parameter_device(self, runtime: Runtime) -> torch.device:
+        """Where this strategy keeps the parameters it holds between steps: the rank's device, unless it keeps
+        them in host memory (FSDP2 with CPU offload, which refuses shards materialised on the GPU)."""
+        return runtime.device
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         """Gradients of backwards inside this context stay local to the rank."""

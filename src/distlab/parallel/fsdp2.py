@@ -139,6 +139,9 @@ class FSDP2(Strategy):
         shape = (self.replicate, runtime.world_size // self.replicate)
         return init_device_mesh(runtime.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
+    def parameter_device(self, runtime) -> torch.device:
+        return torch.device("cpu") if self.cpu_offload else runtime.device
+
     def _offload_policy(self, device: torch.device):
         if not self.cpu_offload:
             return OffloadPolicy()
