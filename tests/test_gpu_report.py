@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from distlab.gpu_report import schema
-from distlab.gpu_report.run import Machine, plan, sized_presets
+from distlab.gpu_report import run, schema
+from distlab.gpu_report.run import Machine, Part, plan, sized_presets
 from distlab.gpu_report.summary import system_for
+from distlab.labs.launch import entry_config, takes_placement
 from distlab.results import committed_results
+from distlab.runtime import place
 
 GIB = 2**30
 T4_PAIR = Machine(2, int(14.75 * GIB), False, ["Tesla T4", "Tesla T4"])
@@ -36,6 +38,7 @@ def cpu_report(tmp_path_factory) -> Path:
 def test_the_cpu_run_is_a_valid_report_that_says_what_it_skipped(cpu_report):
     assert schema.problems(cpu_report) == []
     report = schema.check(cpu_report)
+    assert report["status"] == "complete"
     status = {part["name"]: part["status"] for part in report["parts"]}
     assert status == {"host": "ran", "copies": "skipped", "collectives": "ran", "sweep": "ran",
                       "fsdp-options": "ran", "batch-norm": "ran"}  # fmt: skip
@@ -73,6 +76,60 @@ def test_a_t4_pair_runs_fp16_and_one_gpu_skips_what_needs_two_ranks():
     assert sized_presets(T4_PAIR) == ["gpt-mini"]  # gpt-small's six strategies, built at once, take over 40 %
     assert sized_presets(ONE_H100) == ["gpt-mini", "gpt-small"]
     assert sized_presets(Machine(1, 140 * GIB, True, ["NVIDIA H200"]))[-1] == "gpt-medium"
+
+
+ONE_H200 = Machine(1, 140 * GIB, True, ["NVIDIA H200"])
+EIGHT_H100 = Machine(8, 80 * GIB, True, ["NVIDIA H100 80GB HBM3"] * 8)
+
+
+@pytest.mark.parametrize("machine", [Machine(0), ONE_H200, T4_PAIR, EIGHT_H100], ids=lambda m: f"{m.gpus}gpus")
+def test_a_part_is_told_where_it_runs_only_if_its_entry_point_takes_it_and_as_place_decided(machine):
+    """The GPU report's finding 2: the plan passed --device to distlab.bench.transfer (chosen by module name),
+    whose parser refuses it, so the copies part failed on every GPU machine."""
+    every, alone = place(gpus=machine.gpus), place(1, gpus=machine.gpus)
+    for part in plan(machine):
+        told = "--device" in part.args or "--backend" in part.args
+        assert told == takes_placement(entry_config(part.target)), (part.name, part.args)
+        where = alone if part.target in ("distlab.bench.host", "distlab.bench.transfer") else every
+        assert part.nproc == where.ranks or part.skip, (part.name, part.nproc, where)
+        if told:
+            assert " ".join(where.args) in " ".join(part.args), (part.name, part.args, where)
+    copies = next(part for part in plan(machine) if part.target == "distlab.bench.transfer")
+    assert "--device" not in copies.args and bool(copies.skip) == (machine.gpus == 0)
+
+
+RAISES = """import torch.distributed as dist
+dist.init_process_group("gloo")
+raise RuntimeError("the rank's own words")
+"""
+
+
+def test_a_report_with_a_failed_part_exits_non_zero_says_why_and_is_written_marked_failed(
+    tmp_path, monkeypatch, capsys
+):
+    """The GPU report's finding 3: with 3 of its 4 parts failed it said "it passed the book's check" and exited
+    0, and each reason was torchrun's report, not the rank's error."""
+    from distlab.gpu_report.__main__ import main
+
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    parts = [Part("boom", "a rank that raises", str(script), nproc=1), Part("later", "nothing", skip="not here")]
+    monkeypatch.setattr(run, "plan", lambda machine, quick=False: parts)
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(tmp_path / "reports"), "--budget-s", "300"])
+    assert exited.value.code == 1
+    said = capsys.readouterr().out
+    assert "passed the book's check" not in said and "marked failed" in said
+    assert "boom: torchrun" in said and "RuntimeError: the rank's own words" in said
+    (folder,) = (tmp_path / "reports").iterdir()
+    report = schema.check(folder, failed_ok=True)  # written, and valid but for what failed
+    assert report["status"] == "failed"
+    boom = report["parts"][0]
+    assert boom["status"] == "failed" and "rank 0: RuntimeError: the rank's own words" in boom["reason"]
+    assert "error_file" not in boom["reason"] and "To enable traceback" not in boom["reason"]
+    assert any(problem.startswith("part boom failed: ") for problem in schema.problems(folder))
+    with pytest.raises(ValueError, match="part boom failed"):
+        schema.read_reports(tmp_path / "reports")  # the book refuses it
 
 
 @pytest.mark.parametrize(
@@ -118,6 +175,8 @@ def _edit(folder: Path, file: str, change) -> None:
         (lambda f: _edit(f, "report.json", lambda r: r["parts"][0].update(status="failed", reason="")), "a reason"),
         (lambda f: _edit(f, "fsdp-options.json", lambda r: r.pop("environment")), "not a distlab result"),
         (lambda f: _edit(f, "report.json", lambda r: r.update(schema="something/1")), "schema"),
+        (lambda f: _edit(f, "report.json", lambda r: r["parts"][0].update(status="failed", reason="rank 0: boom")),
+         "part host failed: rank 0: boom"),  # the book shows no report with a failed part
     ],
 )  # fmt: skip
 def test_a_broken_report_is_refused_in_one_line_that_says_why(cpu_report, tmp_path, breakage, says):

@@ -112,3 +112,128 @@ def test_a_rank_ended_by_another_signal_is_named_with_its_last_words():
         "rank 1 was killed by SIGABRT; the job's last words: terminate called without an active exception"
     )
     assert launch._failure_reason(["distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
+
+
+# What torchrun printed for jobs that failed on the course's first GPU machine (an H200, 2026-11-27, at af2257a;
+# the runs' logs are kept with the GPU runs), shortened: frames and the ends of torchrun's long log lines are left
+# out, the rest is verbatim.
+TORCHRUN_REPORT = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "<venv>/lib/python3.12/site-packages/torch/distributed/run.py", line 994, in <module>
+    main()
+  File "<venv>/lib/python3.12/site-packages/torch/distributed/launcher/api.py", line 317, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+{target} FAILED
+------------------------------------------------------------
+Failures:
+{others}
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_05:51:51
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 754)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+NCCL_CPU_TENSOR = """epoch 1/1 | train loss 0.7589 | test loss 0.0173 acc 99.41% | 1.1s, 7,275 samples/s
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "<frozen runpy>", line 198, in _run_module_as_main
+[rank0]:   File "<checkout>/src/distlab/train.py", line 438, in slowest_median_step_s
+[rank0]:     dist.all_reduce(median, op=dist.ReduceOp.MAX)
+[rank0]:   File "<venv>/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 3068, in all_reduce
+[rank0]:     work = group.allreduce([tensor], opts)
+[rank0]:            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+[rank0]: RuntimeError: No backend type associated with device type cpu
+E1127 05:51:51.270000 728 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 0
+""" + TORCHRUN_REPORT.format(target="distlab.train", others="  <NO_OTHER_FAILURES>", rank=0, code=1)
+ONE_GPU_TWO_RANKS = """Traceback (most recent call last):
+  File "<tmp>/labs/lab-fsdp/fsdp_train.py", line 266, in main
+    torch.cuda.set_device(device)
+  File "<venv>/lib/python3.12/site-packages/torch/cuda/__init__.py", line 638, in set_device
+    torch._C._cuda_setDevice(device)
+torch.AcceleratorError: CUDA error: invalid device ordinal
+GPU device may be out of range, do you have enough GPUs?
+CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.
+
+W1127 06:02:42.282000 971 torch/distributed/elastic/multiprocessing/api.py:1012] Sending process 983 closing
+E1127 06:02:42.397000 971 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1) local_rank: 1
+""" + TORCHRUN_REPORT.format(
+    target="fsdp_train.py", rank=1, code=1,
+    others="[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 983)\n  error_file: <N/A>\n"
+    "  traceback : Signal 15 (SIGTERM) received by PID 983",
+)  # fmt: skip
+REFUSED_FLAG = """usage: torchrun --standalone --nproc_per_node=N -m distlab.bench.transfer
+       [-h] [--out OUT] [--name NAME] [--sizes SIZES] [--repeats REPEATS]
+torchrun --standalone --nproc_per_node=N -m distlab.bench.transfer: error: unrecognized arguments: --device cuda
+E1127 07:53:22.703000 12618 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2)
+""" + TORCHRUN_REPORT.format(target="distlab.bench.transfer", others="  <NO_OTHER_FAILURES>", rank=0, code=2)
+
+
+@pytest.mark.parametrize(
+    "output, says",
+    [
+        (NCCL_CPU_TENSOR, "rank 0: RuntimeError: No backend type associated with device type cpu"),
+        (ONE_GPU_TWO_RANKS, "rank 1: torch.AcceleratorError: CUDA error: invalid device ordinal"),
+        (REFUSED_FLAG, "-m distlab.bench.transfer: error: unrecognized arguments: --device cuda"),
+    ],
+    ids=["nccl-cpu-tensor", "one-gpu-two-ranks", "refused-flag"],
+)
+def test_a_failed_jobs_reason_is_the_ranks_own_error_not_torchruns_report(output, says):
+    """The GPU report's finding 3: every failure's reason was torchrun's report ("error_file: <N/A> | traceback :
+    To enable traceback see: ..."), which says nothing about what failed."""
+    reason = launch.failure_reason(output)
+    assert says in reason and "\n" not in reason
+    assert not any(banner in reason for banner in ("error_file", "To enable traceback", "=====", "ChildFailedError"))
+
+
+class _NoLaunch(Exception):
+    pass
+
+
+def _no_launch(*args, **kwargs):
+    raise _NoLaunch(args[0])
+
+
+@pytest.mark.parametrize(
+    "target, args, says",
+    [
+        ("distlab.bench.transfer", ("--device", "cuda"), "distlab.bench.transfer: unrecognized arguments: --device"),
+        ("distlab.bench.sweep", ("--models", "gpt-nope"), "unknown preset 'gpt-nope'"),
+        ("distlab.bench.host", ("--repeats", "many"), "argument --repeats: invalid int value: 'many'"),
+        ("distlab.gpu_report", ("--budget", "x"), "distlab.gpu_report: argument --budget-s: invalid float value"),
+        ("distlab.bench.nothing_here", (), "no module distlab.bench.nothing_here"),
+    ],
+)
+def test_a_bad_command_line_for_a_distlab_module_is_one_line_before_any_rank_starts(monkeypatch, target, args, says):
+    monkeypatch.setattr(launch.subprocess, "Popen", _no_launch)
+    with pytest.raises(DistlabError) as refused:
+        launch.torchrun(target, *args, nproc=1, echo=False)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_good_command_line_or_a_script_goes_on_to_launch(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(launch.subprocess, "Popen", _no_launch)
+    for target, args in [
+        ("distlab.bench.host", ("--sizes", "4MB", "--out", str(tmp_path))),
+        (str(tmp_path / "mine.py"), ("--anything", "goes")),  # a script parses its own command line
+        ("distlab.bench.sweep", ("--help",)),  # the job prints the help
+    ]:
+        with pytest.raises(_NoLaunch):
+            launch.torchrun(target, *args, nproc=1, echo=False)
+
+
+def test_device_flags_go_to_the_entry_points_that_take_them():
+    from distlab.runtime import place
+
+    where = place(gpus=2)
+    assert launch.placement_args("distlab.bench.sweep", where) == ("--device", "cuda", "--backend", "nccl")
+    assert launch.placement_args("distlab.demos.ddp_knobs", place(gpus=0)) == place(gpus=0).args
+    assert launch.placement_args("distlab.bench.transfer", where) == ()  # CUDA-only: no --device to give
+    assert launch.placement_args("distlab.bench.host", where) == ()  # it measures the host
+    assert launch.placement_args("my_script.py", where) == ()

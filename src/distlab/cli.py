@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from .errors import DistlabError
 from .results import write_result
 from .runtime import Runtime
 
@@ -48,6 +49,11 @@ def _flags(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, 
             yield from _flags(kind, f"{prefix}{f.name}.")
         else:
             yield (f.metadata.get("flag") or f.name).replace("_", "-"), f"{prefix}{f.name}", kind, f
+
+
+def flag_names(cls: type) -> set[str]:
+    """Every flag a configuration's command line takes, without its dashes (``device``, ``batch-size``)."""
+    return {flag for flag, *_ in _flags(cls)}
 
 
 def build_parser(cls: type, module: str, description: str) -> argparse.ArgumentParser:
@@ -91,17 +97,37 @@ def _build(cls: type[Config], values: dict[str, Any], prefix: str = "") -> Confi
     return cls(**kwargs)
 
 
-def parse(cls: type[Config], argv: list[str] | None, entry_point: str = "") -> Config:
-    """The configuration a command line asks for; validated if it can validate itself.
-    The entry point is the class's module unless named; the class's docstring is the description."""
+def _parser_for(cls: type, entry_point: str) -> argparse.ArgumentParser:
     if not entry_point:
         module = sys.modules[cls.__module__]
         entry_point = module.__spec__.name if module.__spec__ else cls.__module__  # "__main__" under python -m
-    description = (cls.__doc__ or "").strip().splitlines()[0]
-    config = _build(cls, vars(build_parser(cls, entry_point, description).parse_args(argv)))
+    return build_parser(cls, entry_point, (cls.__doc__ or "").strip().splitlines()[0])
+
+
+def _parse_with(cls: type[Config], parser: argparse.ArgumentParser, argv: list[str] | None) -> Config:
+    config = _build(cls, vars(parser.parse_args(argv)))
     if hasattr(config, "validate"):
         config.validate()
     return config
+
+
+def parse(cls: type[Config], argv: list[str] | None, entry_point: str = "") -> Config:
+    """The configuration a command line asks for; validated if it can validate itself.
+    The entry point is the class's module unless named; the class's docstring is the description."""
+    return _parse_with(cls, _parser_for(cls, entry_point), argv)
+
+
+def parse_or_refuse(cls: type[Config], argv: list[str], entry_point: str) -> Config:
+    """:func:`parse`, for a launcher that checks a command line before it starts any rank: argparse's refusal
+    (its usage, then exit status 2) is one :class:`~distlab.errors.DistlabError` line instead, naming the entry
+    point. ``--help`` still prints the help and exits."""
+    parser = _parser_for(cls, entry_point)
+
+    def refuse(message: str):
+        raise DistlabError(f"{entry_point}: {message}")
+
+    parser.error = refuse  # argparse reports every refusal through it
+    return _parse_with(cls, parser, argv)
 
 
 def from_flags(cls: type[Config], **flags: Any) -> Config:

@@ -134,6 +134,9 @@ class AllReduceBenchConfig(BenchConfig):
     min_repeats: int = option(5, "timed repetitions for the largest sizes")
 
 
+CONFIG = AllReduceBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(AllReduceBenchConfig, argv)
     sizes, names = parse_sizes(cfg.sizes), cfg.impls.split(",")

@@ -143,6 +143,9 @@ class DDPStepBenchConfig(BenchConfig):
     warmup: int = option(5, "untimed steps per variant")
 
 
+CONFIG = DDPStepBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(DDPStepBenchConfig, argv)
     caps = [float(c) for c in cfg.bucket_caps.split(",") if c]

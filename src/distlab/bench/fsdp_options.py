@@ -72,6 +72,9 @@ def runnable(name: str, world_size: int) -> bool:
     return name != "reshard_to_2" or (world_size > 2 and world_size % 2 == 0)
 
 
+CONFIG = FsdpOptionsConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(FsdpOptionsConfig, argv)
     with distributed(cfg.where.device, cfg.where.backend) as runtime:

@@ -265,6 +265,9 @@ class HostBenchConfig(ResultConfig):
     repeats: int = option(5, "timed repetitions of every measurement")
 
 
+CONFIG = HostBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(HostBenchConfig, argv)
     metrics = measure_host(

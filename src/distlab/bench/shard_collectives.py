@@ -87,6 +87,9 @@ class ShardCollectivesBenchConfig(BenchConfig):
     repeats: int = option(15, "timed repetitions per size")
 
 
+CONFIG = ShardCollectivesBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(ShardCollectivesBenchConfig, argv)
     sizes = parse_sizes(cfg.sizes)

@@ -130,6 +130,9 @@ def cuda_peaks(trainee: Trainee, tokens: torch.Tensor, targets: torch.Tensor, ru
     return gather_per_rank(peaks, runtime)
 
 
+CONFIG = StepBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(StepBenchConfig, argv)
     names = [name for name in cfg.strategies.split(",") if name]

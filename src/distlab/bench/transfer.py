@@ -440,6 +440,9 @@ def measure_gpu(sizes: list[int], repeats: int, device: torch.device) -> dict:
     return mine
 
 
+CONFIG = TransferBenchConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(TransferBenchConfig, argv)
     sizes = parse_sizes(cfg.sizes)

@@ -75,6 +75,9 @@ class DataMistakesConfig(ResultConfig):
     epochs: int = option(3, "epochs per scenario")
 
 
+CONFIG = DataMistakesConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(DataMistakesConfig, argv)
     with distributed("cpu") as runtime:

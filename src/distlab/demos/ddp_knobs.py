@@ -340,6 +340,9 @@ DEMOS = {"batch_norm": batch_norm, "unused_parameters": unused_parameters, "grad
 DEMOS |= {"buffer_sync": buffer_sync, "comm_hooks": comm_hooks, "join": uneven_inputs}
 
 
+CONFIG = DDPKnobsConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(DDPKnobsConfig, argv)
     with distributed(cfg.where.device, cfg.where.backend, cfg.timeout_s) as runtime:

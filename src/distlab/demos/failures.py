@@ -123,6 +123,9 @@ class FailuresConfig:
     where: DeviceOptions = section(DeviceOptions)
 
 
+CONFIG = FailuresConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(FailuresConfig, argv)
     with distributed(cfg.where.device, cfg.where.backend, cfg.timeout_s) as runtime:

@@ -115,6 +115,9 @@ class FsdpEssentialsConfig(ResultConfig):
     steps: int = option(3, "SGD steps per optimizer-order run")
 
 
+CONFIG = FsdpEssentialsConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(FsdpEssentialsConfig, argv)
     with distributed("cpu") as runtime:

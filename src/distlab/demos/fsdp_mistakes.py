@@ -71,6 +71,9 @@ class FsdpMistakesConfig(ResultConfig):
     steps: int = option(3, "SGD steps per run")
 
 
+CONFIG = FsdpMistakesConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(FsdpMistakesConfig, argv)
     with distributed("cpu") as runtime:

@@ -1,4 +1,8 @@
-"""``python -m distlab.gpu_report``: every GPU path of the course, run and written as one report folder."""
+"""``python -m distlab.gpu_report``: every GPU path of the course, run and written as one report folder.
+
+It exits 0 only when every part ran or was skipped with a reason, and the folder passed the book's check; a part
+that failed still leaves the folder, marked failed, and the command names each failed part with its reason and
+exits 1."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 from ..cli import option, parse
 from ..errors import run_main
 from .run import write_report
-from .schema import REPORT_FILE
+from .schema import REPORT_FILE, check, failed_parts
 
 
 @dataclass
@@ -21,9 +25,22 @@ class GpuReportConfig:
     quick: bool = option(False, "the smallest sizes that still run every path (what CI runs)")
 
 
+CONFIG = GpuReportConfig
+"""What ``main`` parses its command line with (a launcher checks a command line with it first)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(GpuReportConfig, argv, "distlab.gpu_report")
     folder = write_report(Path(cfg.out), cfg.contributor, cfg.budget_s, cfg.quick)
+    report = check(folder, failed_ok=True)
+    failed = failed_parts(report)
+    if failed:
+        print(f"gpu_report: wrote {folder}, marked failed: {len(failed)} of its {len(report['parts'])} parts failed, "
+              "so it does not pass the book's check:")  # fmt: skip
+        for part in failed:
+            print(f"gpu_report:   {part['name']}: {part['reason']}")
+        print("gpu_report: fix what failed (each line above is the job's own error) and run it again.")
+        raise SystemExit(1)
     print(f"gpu_report: wrote {folder} ({REPORT_FILE}, the result files, the pictures); it passed the book's check.")
     if folder.name.startswith("cpu-"):
         print(

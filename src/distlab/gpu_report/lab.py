@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from ..results import read_result
+from ..runtime import place
 from .run import Machine, finish, new_folder, not_run
 
 CONTRIBUTE = (
@@ -36,13 +37,13 @@ def report_from_results(results: str | Path, lab: str, out: str | Path = "gpu-re
     folder = new_folder(Path(out), machine)
     for path in files:
         shutil.copy(path, folder / path.name)
-    what = f"the runs of {lab}"
-    part = {"name": lab, "what": what, "status": "ran", "ranks": machine.gpus or 2, "files": [p.name for p in files]}
+    what, ranks = f"the runs of {lab}", place(gpus=machine.gpus).ranks
+    part = {"name": lab, "what": what, "status": "ran", "ranks": ranks, "files": [p.name for p in files]}
     rest = {
         "what": "the course's other GPU paths",
         "reason": "a lab runs its own: python -m distlab.gpu_report runs all",
     }
-    report = {"contributor": contributor or None, "ranks": machine.gpus or 2, "parts": [part], "summary": {}}
+    report = {"contributor": contributor or None, "ranks": ranks, "parts": [part], "summary": {}}
     try:
         finish(folder, machine, report | {"not_run": [rest, *not_run(machine)]})
     except ValueError as err:

@@ -2,8 +2,10 @@
 
 Each part is a benchmark or demo of the course run under torchrun with a time limit, writing its result file
 into the report folder: the same entry points the chapters and ``scripts/reproduce_results.sh`` use, with
-sizes that fit the GPUs found. :func:`plan` decides what runs with how many ranks, and says why anything
-does not; without a GPU every part that can runs on 2 gloo ranks on the CPU, so CI executes the same code.
+sizes that fit the GPUs found. :func:`plan` decides what runs with how many ranks, on which device and backend
+(:func:`distlab.runtime.place`, the one decision every launcher makes), and says why anything does not; without
+a GPU every part that can runs on 2 gloo ranks on the CPU, so CI executes the same code. A part's ranks are
+told where they run (``--device``/``--backend``) when its entry point takes those flags, as its ``CONFIG`` says.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import torch
 
 from ..bench.sweep import VARIANTS, resident_bytes_per_rank
 from ..errors import DistlabError
-from ..labs.launch import torchrun
+from ..labs.launch import placement_args, torchrun
 from ..measure.hardware import nccl_settings, survey
 from ..plots.gpu_report import save_pictures
 from ..results import environment, read_result
+from ..runtime import Placement, gpu_count, place
 from . import schema, summary
 
 SWEEP_PRESETS = ("gpt-mini", "gpt-small", "gpt-medium")
@@ -55,9 +58,9 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        if not torch.cuda.is_available():
+        count = gpu_count()
+        if not count:
             return cls(0)
-        count = torch.cuda.device_count()
         memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
         names = [torch.cuda.get_device_name(i) for i in range(count)]
         return cls(count, memory, torch.cuda.is_bf16_supported(including_emulation=False), names)
@@ -70,11 +73,14 @@ def sized_presets(machine: Machine) -> list[str]:
 
 
 def plan(machine: Machine, quick: bool = False) -> list[Part]:
-    """Every part, with its ranks and sizes for this machine (``quick``: the smallest that still runs each path).
-    Without a GPU the parts run on 2 gloo ranks in bf16 autocast, the GPU's code path, at CPU sizes."""
-    cuda, n = machine.gpus > 0, machine.gpus
-    ranks, device = (n, "cuda") if cuda else (2, "cpu")
-    one_gpu = "NCCL needs one GPU per rank, and this machine has one" if n == 1 else ""
+    """Every part, with its ranks, device, backend and sizes for this machine (``quick``: the smallest that still
+    runs each path). Where the parts run is :func:`~distlab.runtime.place`'s answer for ``machine.gpus``: one NCCL
+    rank per GPU; without a GPU, 2 gloo ranks in bf16 autocast, the GPU's code path, at CPU sizes. A part that
+    needs two ranks is skipped on one GPU (NCCL needs one GPU per rank; gloo ranks sharing it would measure gloo)."""
+    every = place(gpus=machine.gpus)  # the parts that run on every rank the machine has
+    alone = place(1, gpus=machine.gpus)  # the host's and the copies' measurements: one rank
+    cuda = every.device == "cuda"
+    one_gpu = "" if every.ranks >= 2 else "NCCL needs one GPU per rank, and this machine has one"
     precision = "fp16" if cuda and not machine.bf16 else "bf16"
     presets = ",".join(sized_presets(machine) or ["gpt-mini"]) if cuda else "gpt-tiny"
     variants = ",".join(FSDP_OPTIONS + (("bf16",) if machine.bf16 or not cuda else ()))
@@ -93,16 +99,16 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     )
     copies = "--sizes 64KB:256MB --repeats 5 --loader-epochs 0"
 
-    def part(name, what, target, args, nproc=ranks, timeout_s=240.0, skip=""):
-        where = () if target == "distlab.bench.host" else ("--device", device)
-        return Part(name, what, target, (*where, *args.split()), nproc, timeout_s, skip)
+    def part(name, what, target, args, where: Placement = every, timeout_s=240.0, skip=""):
+        # --device/--backend go to the entry points that take them (their CONFIG says), never by module name
+        return Part(name, what, target, (*placement_args(target, where), *args.split()), where.ranks, timeout_s, skip)
 
     return [
         part("host", "the host side of a copy: page-locking, staging copies (distlab.bench.host)",
-             "distlab.bench.host", host, nproc=1, timeout_s=120),
+             "distlab.bench.host", host, where=alone, timeout_s=120),
         part("copies", "host-to-device copies: pageable, pinned, non_blocking, overlap with compute "
-             "(distlab.bench.transfer)", "distlab.bench.transfer", copies, nproc=1,
-             skip="" if cuda else "needs a CUDA device"),
+             "(distlab.bench.transfer)", "distlab.bench.transfer", copies, where=alone,
+             skip="" if alone.device == "cuda" else "needs a CUDA device"),
         part("collectives", "all-reduce, reduce-scatter and all-gather over sizes (distlab.bench.shard_collectives)",
              "distlab.bench.shard_collectives", sizes, skip=one_gpu),
         part("sweep", "DDP, ZeRO-1/2/3 and FSDP2 on GPT presets in mixed precision (distlab.bench.sweep)",
@@ -196,32 +202,39 @@ def interconnect(facts: dict) -> str:
 def new_folder(out: Path, machine: Machine) -> Path:
     """A fresh report folder under ``out``, named after the GPU, the count and the time."""
     kind = re.sub(r"[^a-z0-9]+", "-", (machine.names[0] if machine.names else "cpu").lower()).strip("-")
-    folder = out / f"{kind}-{machine.gpus or 2}x-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
+    folder = out / f"{kind}-{place(gpus=machine.gpus).ranks}x-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
     folder.mkdir(parents=True)
     return folder
 
 
 def finish(folder: Path, machine: Machine, report: dict) -> Path:
     """Write ``report.json`` with the machine's environment and the report's pictures, take out this machine's
-    paths, and check the folder as the book will (ValueError, in one line, if it fails)."""
+    paths, and check the folder as the book will (ValueError, in one line, if it fails). A report with a failed
+    part is written all the same, marked ``"status": "failed"``: the book refuses it (:func:`schema.problems`),
+    and whoever ran it learns why from each part's reason."""
     facts = survey()
     env = environment() | {"device_kind": "cuda" if machine.gpus else "cpu", "gpu_count": machine.gpus}
     env |= {"interconnect": interconnect(facts), "dev_shm": facts["dev_shm"], "nccl_settings": nccl_settings()}
-    report = {"schema": schema.REPORT_SCHEMA, "environment": env | {"topology": facts["topology"]}, **report}
+    status = "failed" if schema.failed_parts(report) else "complete"
+    env |= {"topology": facts["topology"]}
+    report = {"schema": schema.REPORT_SCHEMA, "status": status, "environment": env, **report}
     for pictures in (False, True):
         if pictures:
-            report["pictures"] = save_pictures(schema.check(folder), folder)
+            report["pictures"] = save_pictures(schema.check(folder, failed_ok=True), folder)
         (folder / schema.REPORT_FILE).write_text(json.dumps(report, indent=1, default=str) + "\n")
         scrub(folder)
-    schema.check(folder)
+    schema.check(folder, failed_ok=True)
     return folder
 
 
 def write_report(out: Path, contributor: str = "", budget_s: float = 600, quick: bool = False) -> Path:
-    """Run every part into a new folder under ``out``; write ``report.json`` and its pictures; check it."""
+    """Run every part into a new folder under ``out``; write ``report.json`` and its pictures; check it (all but
+    its failed parts, which mark it ``"status": "failed"``: :func:`schema.failed_parts` lists them)."""
     machine = Machine.here()
     folder = new_folder(out, machine)
     deadline = time.perf_counter() + budget_s
+    every = place(gpus=machine.gpus)
+    print(f"gpu_report: {every.reason}", flush=True)
     parts = []
     for part in plan(machine, quick):
         print(f"gpu_report: {part.name}: {part.skip or part.what}", flush=True)
@@ -229,6 +242,6 @@ def write_report(out: Path, contributor: str = "", budget_s: float = 600, quick:
         if parts[-1]["status"] == "failed":
             print(f"gpu_report: {part.name} failed: {parts[-1]['reason']}", flush=True)
     scrub(folder)
-    report = {"contributor": contributor or None, "ranks": machine.gpus or 2, "budget_s": budget_s, "parts": parts}
+    report = {"contributor": contributor or None, "ranks": every.ranks, "budget_s": budget_s, "parts": parts}
     report |= {"not_run": not_run(machine), "summary": summarize(folder, parts, machine)}
     return finish(folder, machine, report)

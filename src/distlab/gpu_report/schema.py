@@ -19,6 +19,9 @@ from ..results import SCHEMA as RESULT_SCHEMA
 REPORT_SCHEMA = "distlab.gpu_report/1"
 REPORT_FILE = "report.json"
 STATUSES = ("ran", "skipped", "failed")
+REPORT_STATUSES = ("complete", "failed")
+"""A report's own status: ``failed`` when any of its parts failed. It is written all the same, so whoever ran it
+can read why; the book shows only complete ones."""
 ENVIRONMENT_KEYS = ("torch", "python", "gpus", "device_kind", "cuda", "nccl", "date", "gpu_count")
 LARGEST_FILE = 8 * 2**20
 LARGEST_REPORT = 32 * 2**20
@@ -74,10 +77,17 @@ def _sane(number: float) -> bool:
     return math.isfinite(number) and abs(number) < LARGEST_NUMBER
 
 
-def problems(folder: str | Path) -> list[str]:
+def failed_parts(report: dict) -> list[dict]:
+    """The parts of a report that should have run and did not (each with its reason)."""
+    return [part for part in report.get("parts") or [] if isinstance(part, dict) and part.get("status") == "failed"]
+
+
+def problems(folder: str | Path, *, failed_ok: bool = False) -> list[str]:
     """Everything that keeps a report folder from the book, one line each (empty: valid). Checked: the schema,
-    the environment (versions, GPUs, date), each part's status and reason, every file listed (present, small,
-    a distlab result with its environment, numbers finite and of sane size), and no machine path anywhere."""
+    the report's status (a part that failed keeps it out, with its reason), the environment (versions, GPUs,
+    date), each part's status and reason, every file listed (present, small, a distlab result with its
+    environment, numbers finite and of sane size), and no machine path anywhere. ``failed_ok``: everything but
+    the failed parts (what ``python -m distlab.gpu_report`` checks before it says which parts failed)."""
     folder = Path(folder)
     try:
         report = _load(folder / REPORT_FILE)
@@ -88,6 +98,13 @@ def problems(folder: str | Path) -> list[str]:
     found = []
     if report.get("schema") != REPORT_SCHEMA:
         found.append(f"{REPORT_FILE}: schema is {report.get('schema')!r}, not {REPORT_SCHEMA!r}")
+    failed, status = failed_parts(report), report.get("status", "complete")
+    if status not in REPORT_STATUSES:
+        found.append(f"{REPORT_FILE}: status {status!r}, not one of {', '.join(REPORT_STATUSES)}")
+    elif "status" in report and (status == "failed") != bool(failed):
+        found.append(f"{REPORT_FILE}: status {status!r} with {len(failed)} failed part(s)")
+    if not failed_ok:
+        found += [f"part {part.get('name', '?')} failed: {part.get('reason') or 'no reason given'}" for part in failed]
     environment = report.get("environment") or {}
     found += [f"{REPORT_FILE}: environment has no {key!r}" for key in ENVIRONMENT_KEYS if key not in environment]
     parts = report.get("parts")
@@ -115,9 +132,10 @@ def problems(folder: str | Path) -> list[str]:
     return found
 
 
-def check(folder: str | Path) -> dict:
-    """The report in ``folder``, or ValueError with every problem in one line."""
-    found = problems(folder)
+def check(folder: str | Path, *, failed_ok: bool = False) -> dict:
+    """The report in ``folder``, or ValueError with every problem in one line (``failed_ok``: as
+    :func:`problems`)."""
+    found = problems(folder, failed_ok=failed_ok)
     if found:
         raise ValueError(f"{Path(folder).name} is not a valid GPU report: " + "; ".join(found))
     return _load(Path(folder) / REPORT_FILE) | {"folder": Path(folder)}

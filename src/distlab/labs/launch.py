@@ -2,13 +2,16 @@
 
 ``mp.spawn`` cannot pickle functions defined in a notebook, so notebooks
 write a script (or name a module) and run it under torchrun in a
-subprocess. Output streams live, so progress shows while it runs; on
-failure the error is the job's own ``distlab:`` lines, not torchrun's
-traceback.
+subprocess. A distlab entry point's command line is parsed here first, with
+the configuration its module names (``CONFIG``), so a bad flag is one line
+before any rank starts. Output streams live, so progress shows while it
+runs; on failure the error is the job's own line (a ``distlab:`` line, or
+the exception a rank died of), not torchrun's traceback or its report.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import signal
@@ -19,11 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import parse
+from ..cli import flag_names, parse, parse_or_refuse
 from ..config import TrainConfig
 from ..errors import DistlabError
 from ..results import read_result
-from ..runtime import place
+from ..runtime import Placement, place
 
 
 @dataclass
@@ -137,6 +140,48 @@ def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, .
     return command + [str(a) for a in args]
 
 
+def entry_config(target: str) -> type | None:
+    """The configuration class ``-m target`` parses its command line with: the module's ``CONFIG`` (a package's,
+    in its ``__main__``). None for a ``.py`` script, and for a module outside distlab, which is not imported here
+    (its top level may be the job itself). A distlab module that does not exist is refused in one line."""
+    if target.endswith(".py") or not (target == "distlab" or target.startswith("distlab.")):
+        return None
+    try:
+        module = importlib.import_module(target)
+        if not hasattr(module, "CONFIG") and hasattr(module, "__path__"):  # python -m runs a package's __main__
+            module = importlib.import_module(f"{target}.__main__")
+    except ModuleNotFoundError as err:  # the module asked for, not one it imports (that is its own failure)
+        if err.name == f"{target}.__main__":
+            raise DistlabError(f"{target} is a package that cannot run: name one of its modules after -m") from None
+        if err.name and (target == err.name or target.startswith(err.name + ".")):
+            raise DistlabError(f"no module {err.name}: check the name after -m") from None
+        raise
+    return getattr(module, "CONFIG", None)
+
+
+def takes_placement(config: type | None) -> bool:
+    """Whether a configuration's command line takes ``--device`` and ``--backend`` (a
+    :class:`~distlab.cli.DeviceOptions` section, or a training run's parallel section)."""
+    return config is not None and {"device", "backend"} <= flag_names(config)
+
+
+def placement_args(target: str, placement: Placement) -> tuple[str, ...]:
+    """What tells ``target``'s ranks where they run (``--device D --backend B``), or nothing for an entry point
+    that takes no such flags (``distlab.bench.host`` measures the host; ``distlab.bench.transfer`` is CUDA-only)."""
+    return placement.args if takes_placement(entry_config(target)) else ()
+
+
+def check_command_line(target: str, *args: str):
+    """The configuration ``target``'s ranks will parse from ``args``, parsed and validated here, before any rank
+    starts: a bad flag or value is one :class:`DistlabError` line. None for a script (``.py``), a module with
+    no ``CONFIG``, or a request for ``--help`` (which the job prints)."""
+    config = entry_config(target)
+    args = [str(a) for a in args]
+    if config is None or {"-h", "--help"} & set(args):
+        return None
+    return parse_or_refuse(config, args, target)
+
+
 def launcher_environment(threads_per_rank: int) -> dict[str, str]:
     """This process's environment for a fresh torchrun job: a launcher inside
     a launched process must not inherit the outer job's rank variables."""
@@ -157,10 +202,12 @@ def torchrun(
 ) -> JobOutput:
     """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
 
-    ``target`` is a ``.py`` path or a module name (``distlab.train``).
+    ``target`` is a ``.py`` path or a module name (``distlab.train``); a distlab module's
+    arguments are parsed with its ``CONFIG`` first (:func:`check_command_line`).
     ``threads_per_rank`` defaults to the cores divided among the ranks, so a
     one-rank run and a four-rank run use the same machine.
     """
+    check_command_line(target, *args)  # a bad flag fails here, before any rank starts
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     command = torchrun_command(nproc, target, *args, launcher=launcher)
     process = subprocess.Popen(
@@ -201,45 +248,92 @@ def failure_reason(output: str) -> str:
 
 
 def _failure_reason(lines: list[str]) -> str:
-    """Why a job failed, in one line: a rank ended by a signal (torchrun's root cause), else the line its
-    ranks wrote about why (``distlab: error ...`` or ``distlab: rank ...``); without either (a crash), the
-    job's last lines that are not torchrun's own report."""
+    """Why a job failed, in one line, in the job's own words, never torchrun's report (its traceback, its
+    ``error_file: <N/A>``, its banner): a rank ended by a signal (torchrun's root cause); else the line its ranks
+    wrote about why (``distlab: error ...`` or ``distlab: rank ...``); else the exception a rank died of (the
+    root-cause rank's, as ``rank N: RuntimeError: ...``); else a script's refusal of its command line
+    (``...: error: ...``); else the job's last lines before torchrun's report."""
     killed = _killed_rank(lines)
     if killed:
         return killed
     ours = [line.strip() for line in lines if line.startswith(("distlab: error", "distlab: rank"))]
     if ours:
         return ours[0]
-    last = [line.strip() for line in lines if line.strip() and not _torchrun_noise(line)][-6:]
-    return " | ".join(last) or "no output"
+    said = _ranks_output(lines)
+    root, _ = _root_cause(lines)
+    raised = [(m.group(1), m.group(2)) for m in map(EXCEPTION_LINE.match, said) if m]
+    if raised:
+        rank, line = next(((r, line) for r, line in raised if r == root), raised[0])
+        rank = rank if rank is not None else root
+        return _shorten((f"rank {rank}: " if rank is not None else "") + line)
+    refused = [line for line in said if ": error: " in line]
+    if refused:
+        return _shorten(refused[-1])
+    return _shorten(" | ".join(said[-6:])) or "no output"
+
+
+EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::\s.*)?)$"
+)
+"""The last line of a Python traceback (``RuntimeError: ...``, ``torch.OutOfMemoryError: ...``), as a rank
+writes it: torch prefixes each line of a rank's traceback with ``[rankN]:`` once its process group exists."""
+LONGEST_REASON = 400
+
+
+def _shorten(line: str) -> str:
+    return line if len(line) <= LONGEST_REASON else line[: LONGEST_REASON - 3] + "..."
+
+
+def _root_cause(lines: list[str]) -> tuple[str | None, int | None]:
+    """The rank torchrun names as its root cause (the first to fail), and its exit code; None where there is no
+    such report."""
+    report = "".join(lines).rsplit("Root Cause (first observed failure):", 1)
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", report[-1], re.M) if len(report) == 2 else None
+    code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", report[-1], re.M) if rank else None
+    return (rank.group(1) if rank else None), (int(code.group(1)) if code else None)
 
 
 def _killed_rank(lines: list[str]) -> str | None:
     """The rank torchrun names as the root cause, when a signal ended it: which rank and which signal,
     and for SIGKILL, which the kernel's out-of-memory killer sends without a word, what to lower."""
-    report = "".join(lines).rsplit("Root Cause (first observed failure):", 1)
-    rank = re.search(r"^\s*rank\s*:\s*(\d+)", report[-1], re.M) if len(report) == 2 else None
-    code = re.search(r"^\s*exitcode\s*:\s*(-\d+)", report[-1], re.M) if rank else None
-    if not code:
+    rank, code = _root_cause(lines)
+    if code is None or code >= 0:
         return None
-    number = -int(code.group(1))
+    number = -code
     name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
     if number == signal.SIGKILL:
         return (
-            f"rank {rank.group(1)} was killed by SIGKILL, most likely by the operating system for using too much "
+            f"rank {rank} was killed by SIGKILL, most likely by the operating system for using too much "
             "host memory: lower --batch-size (and --eval-batch-size), or shard the model (--strategy zero3 or fsdp)"
         )
     words = _ranks_output(lines)[-1:]
-    return f"rank {rank.group(1)} was killed by {name}" + (f"; the job's last words: {words[0]}" if words else "")
+    return f"rank {rank} was killed by {name}" + (f"; the job's last words: {words[0]}" if words else "")
+
+
+def _torchrun_traceback(lines: list[str], i: int) -> bool:
+    """Whether the traceback that starts at ``lines[i]`` is torchrun's own (its frames pass through torchrun:
+    ``torchrun``, or ``torch/distributed/run.py`` under ``python -m torch.distributed.run``), not a rank's."""
+    if not lines[i].startswith("Traceback"):
+        return False
+    for line in lines[i + 1 :]:
+        if not line.startswith((" ", "\t")):
+            return False
+        if "torchrun" in line or "distributed/run.py" in line:
+            return True
+    return False
+
+
+def _torchrun_report(lines: list[str], i: int) -> bool:
+    """Whether torchrun's failure report (a rule of ``=``, then ``<target> FAILED``) starts at ``lines[i]``."""
+    return lines[i].startswith("=====") and i + 1 < len(lines) and lines[i + 1].rstrip().endswith(" FAILED")
 
 
 def _ranks_output(lines: list[str]) -> list[str]:
-    """The job's non-empty lines before torchrun's own report of a failure (its log lines, its traceback)."""
+    """The job's non-empty lines before torchrun's own report of a failure (its log lines, its traceback, its
+    summary), stripped."""
     kept = []
     for i, line in enumerate(lines):
-        if line.startswith("Traceback") and any(
-            "torchrun" in later or "distributed/run.py" in later for later in lines[i + 1 : i + 3]
-        ):
+        if _torchrun_traceback(lines, i) or _torchrun_report(lines, i):
             break
         if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not _torchrun_noise(line):
             kept.append(line.strip())
