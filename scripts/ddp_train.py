@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc_per_node=2 ddp_train.py --dataset mnist --epochs 5 --out ddp.json
     torchrun --standalone --nproc_per_node=2 ddp_train.py --dataset mnist --epochs 8 --resume --out ddp.json
+    torchrun --standalone --nproc_per_node=2 ddp_train.py --device cuda --backend gloo --out ddp.json  # 1 GPU, shared
 
 Each rank holds the whole model and trains on its own shard of the data. During backward DDP all-reduces the
 gradients in buckets, so every rank takes the same optimizer step and the replicas stay identical. Rank 0 saves a
 checkpoint after every epoch (--resume continues from it) and writes a JSON summary, with the environment it ran
-in, to --out.
+in, to --out. Without --device it runs on the GPUs only where each rank has one of its own; with --backend gloo,
+ranks share the GPUs there are.
 """
 
 import argparse
@@ -15,7 +17,7 @@ import os
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -28,7 +30,14 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 from distlab.models import build_model
 
 
-def parse_args() -> argparse.Namespace:
+def default_device() -> str:
+    """cuda only where every rank on this machine can have a GPU of its own (torchrun sets LOCAL_WORLD_SIZE),
+    else cpu: a run told nothing never takes a GPU that does not exist. Ranks share a GPU only when asked to,
+    with --device cuda --backend gloo."""
+    return "cuda" if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else "cpu"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="mnist", choices=["mnist", "synthetic"])
     p.add_argument("--data-dir", default="./data")
@@ -40,11 +49,41 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument(
+        "--device",
+        default=default_device(),
+        choices=["cuda", "cpu"],
+        help="default: cuda if this machine has a GPU for every rank, else cpu",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: nccl on cuda, gloo on cpu; gloo also lets more ranks than GPUs share them",
+    )
     p.add_argument("--checkpoint", default="ddp_checkpoint.pt", help="written after every epoch")
     p.add_argument("--resume", action="store_true", help="start from --checkpoint")
     p.add_argument("--out", default="ddp_train.json")
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def device_and_backend(args) -> tuple[torch.device, str]:
+    """This rank's device and the job's backend. NCCL drives one GPU per rank: rank r on cuda:r. gloo lets more
+    ranks than GPUs share them, rank r on GPU r mod the count (two ranks on one GPU both compute on cuda:0)."""
+    backend = args.backend if args.backend != "auto" else ("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cpu":
+        if backend == "nccl":
+            raise SystemExit("ddp_train.py: nccl moves CUDA tensors only: use --backend gloo with --device cpu")
+        return torch.device("cpu"), backend
+    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpus == 0:
+        raise SystemExit("ddp_train.py: --device cuda, but this machine has no CUDA GPU: use --device cpu")
+    if backend == "nccl" and ranks > gpus:
+        raise SystemExit(
+            f"ddp_train.py: NCCL needs one GPU per rank, and {ranks} ranks have {gpus} GPU(s): "
+            "pass --backend gloo to let them share, or --device cpu"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus), backend
 
 
 def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
@@ -149,7 +188,7 @@ def environment(device: torch.device) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "command": " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -169,7 +208,7 @@ def train(args, device: torch.device) -> None:
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda)
     steps = min(len(loader), args.max_steps or len(loader))
     if rank == 0:  # N processes would print the same lines
-        print(f"ddp | cnn: {parameters:,} parameters | {world} x {device.type} | {dtype} | "
+        print(f"ddp | cnn: {parameters:,} parameters | {world} x {device.type}, {dist.get_backend()} | {dtype} | "
               f"epochs {first + 1}-{args.epochs}", flush=True)  # fmt: skip
     history = []
     if cuda:
@@ -230,14 +269,14 @@ def train(args, device: torch.device) -> None:
 
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+    device, backend = device_and_backend(args)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every process would start a context on GPU 0
     # torch.distributed.nn's functions take the default group as a default argument, which Python fixes when the
     # module is imported. Imported after this line (DDP's first use imports it), they would keep the group alive
     # after destroy_process_group, and its gloo threads could then abort the process as it exits: it is imported
     # above, while there is no group yet.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # the backend follows the device
+    dist.init_process_group(backend)  # NCCL on GPUs; gloo on CPUs, or where ranks share a GPU
     try:
         train(args, device)  # the model, which holds the group, is gone when train returns
     finally:

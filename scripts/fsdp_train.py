@@ -9,7 +9,8 @@ its backward) the ranks all-gather its parameters; after its backward they reduc
 each rank steps only its own shard. `--wrap ddp` replicates the model instead: the baseline to compare with.
 `--prefetch-depth 2` keeps two units' all-gathers in flight instead of FSDP2's one; `--cpu-offload` keeps the
 shards, gradients and Adam state in pinned host memory and steps Adam on the CPU.
-Rank 0 writes a JSON summary, with the environment it ran in, to --out.
+Rank 0 writes a JSON summary, with the environment it ran in, to --out. Without --device it runs on the GPUs
+only where each rank has one of its own; `--device cuda --backend gloo` lets ranks share the GPUs there are.
 """
 
 import argparse
@@ -20,7 +21,7 @@ import platform
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,14 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from distlab.models import GPT, GPT_PRESETS, build_model
 
 
-def parse_args() -> argparse.Namespace:
+def default_device() -> str:
+    """cuda only where every rank on this machine can have a GPU of its own (torchrun sets LOCAL_WORLD_SIZE),
+    else cpu: a run told nothing never takes a GPU that does not exist. Ranks share a GPU only when asked to,
+    with --device cuda --backend gloo."""
+    return "cuda" if torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1)) else "cpu"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="cnn", choices=["cnn", *GPT_PRESETS])
     p.add_argument("--n-layer", type=int, default=0, help="GPT: blocks (0: the preset's)")
@@ -52,13 +60,48 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     p.add_argument("--checkpoint-activations", action="store_true", help="recompute each unit's insides in backward")
     p.add_argument("--wrap", default="fsdp", choices=["fsdp", "ddp"])
-    p.add_argument("--prefetch-depth", type=int, default=0, choices=[0, 1, 2, 3],
-                   help="fsdp: units each one all-gathers ahead, forward and backward (0: FSDP2's own, one ahead)")
+    p.add_argument(
+        "--prefetch-depth",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="fsdp: units each one all-gathers ahead, forward and backward (0: FSDP2's own, one ahead)",
+    )
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: state in host memory, Adam on the CPU")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    p.add_argument(
+        "--device",
+        default=default_device(),
+        choices=["cuda", "cpu"],
+        help="default: cuda if this machine has a GPU for every rank, else cpu",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="auto: nccl on cuda, gloo on cpu; gloo also lets more ranks than GPUs share them",
+    )
     p.add_argument("--out", default="fsdp_train.json")
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def device_and_backend(args) -> tuple[torch.device, str]:
+    """This rank's device and the job's backend. NCCL drives one GPU per rank: rank r on cuda:r. gloo lets more
+    ranks than GPUs share them, rank r on GPU r mod the count (two ranks on one GPU both compute on cuda:0)."""
+    backend = args.backend if args.backend != "auto" else ("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cpu":
+        if backend == "nccl":
+            raise SystemExit("fsdp_train.py: nccl moves CUDA tensors only: use --backend gloo with --device cpu")
+        return torch.device("cpu"), backend
+    gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if gpus == 0:
+        raise SystemExit("fsdp_train.py: --device cuda, but this machine has no CUDA GPU: use --device cpu")
+    if backend == "nccl" and ranks > gpus:
+        raise SystemExit(
+            f"fsdp_train.py: NCCL needs one GPU per rank, and {ranks} ranks have {gpus} GPU(s): "
+            "pass --backend gloo to let them share, or --device cpu"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % gpus), backend
 
 
 def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
@@ -182,7 +225,7 @@ def environment(device: torch.device) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "command": " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -202,7 +245,8 @@ def train(args, device: torch.device) -> None:
     loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda)
     steps = min(len(loader), args.max_steps or len(loader))
     if rank == 0:
-        print(f"{args.wrap} | {args.model}: {parameters:,} parameters | {world} x {device.type} | {dtype}", flush=True)
+        where = f"{world} x {device.type}, {dist.get_backend()}"
+        print(f"{args.wrap} | {args.model}: {parameters:,} parameters | {where} | {dtype}", flush=True)
     history, held = [], 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -261,10 +305,10 @@ def train(args, device: torch.device) -> None:
 
 def main() -> None:
     args = parse_args()
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+    device, backend = device_and_backend(args)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # the backend follows the device
+    dist.init_process_group(backend)  # NCCL on GPUs; gloo on CPUs, or where ranks share a GPU
     try:
         train(args, device)
     except torch.OutOfMemoryError as err:  # one line, not a traceback through FSDP's internals

@@ -24,6 +24,29 @@ def distlab_source() -> list[str]:
     )
 
 
+def print_placement(placement) -> None:
+    """Where this lab's ranks run (``placement``, from ``distlab.runtime.place``), in one line, and on a machine
+    that does not have two GPUs, one more line: what differs from Kaggle's "GPU T4 x2"."""
+    print(placement.reason)
+    n, gpus = placement.ranks, placement.gpus
+    if gpus == 2:
+        return
+    if placement.device == "cpu":
+        here = "the CPU runs shorter versions of the GPU runs, or skips them, and every time is this CPU's"
+    elif n > gpus:
+        here = (
+            f"the ranks take turns on {'the GPU' if gpus == 1 else 'the GPUs'} and their collectives cross host "
+            "memory, so a speed-up over one rank is not what a GPU per rank gives"
+        )
+    elif n == 1:
+        here = "what Kaggle splits over two ranks runs whole on the one GPU"
+    elif n == gpus:
+        here = f"{n} ranks split the work, not 2"
+    else:
+        here = f"{gpus - n} of the {gpus} GPUs stay idle: the lab is written for two"
+    print(f'Kaggle\'s "GPU T4 x2" runs 2 NCCL ranks, one T4 each; here {here}.')
+
+
 if importlib.util.find_spec("distlab") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *distlab_source()], check=True)
     importlib.invalidate_caches()
