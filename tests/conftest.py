@@ -9,6 +9,15 @@ import pytest
 from distlab.testing import write_tiny_mnist
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """``pytest -m gpu`` collects tests/test_gpu.py alone: the other files import the book's stack (Jupyter,
+    Playwright, Accelerate), which a GPU image need not have (tests/gpu-requirements.txt lists what the tier
+    needs)."""
+    if config.getoption("markexpr") == "gpu" and collection_path.suffix == ".py":
+        return collection_path.name.startswith("test_") and collection_path.name != "test_gpu.py"
+    return None
+
+
 @pytest.fixture
 def tiny_mnist(tmp_path: Path) -> Path:
     return write_tiny_mnist(tmp_path / "data")
