@@ -49,7 +49,7 @@ def test_gpu_units_are_sane(gpu):
 
 @pytest.mark.parametrize("system", SYSTEMS.values(), ids=list(SYSTEMS))
 def test_system_units_are_sane(system):
-    assert system.count in (2, 8) and system.sources["count"]
+    assert system.count in (1, 2, 8) and system.sources["count"]
     for name in ("link_bandwidth", "allreduce_busbw", "gather_busbw"):
         assert LINK_BANDWIDTH[0] < getattr(system, name) < LINK_BANDWIDTH[1], name
     # Ring bus bandwidth cannot beat the link; NVLink SHARP all-reduce can (the switch does the reduction).
@@ -72,6 +72,36 @@ def test_t4_has_no_bf16_or_tf32_peak():
         gpu_specs.T4.peak_flops("tf32")
     assert gpu_specs.T4.peak_flops("fp16") == 65e12
     assert gpu_specs.H100_SXM.peak_flops("bf16") == pytest.approx(989.5e12)
+
+
+def test_the_h200_is_cited_like_the_h100_dense_and_with_its_own_memory():
+    """NVIDIA's H200 page quotes tensor FLOP/s with sparsity, as the H100's sheet does: both are halved. The
+    H200 is the H100's die with more, faster memory: the same dense peaks, its own memory figures."""
+    h100, h200 = gpu_specs.H100_SXM, gpu_specs.H200_SXM
+    assert h200.peak_flops("bf16") == pytest.approx(989.5e12)
+    for precision in ("tf32", "fp16", "bf16"):
+        assert h200.peak_flops(precision) == h100.peak_flops(precision)
+        assert "sparsity" in h200.sources[f"{precision}_flops"] and "half" in h200.sources[f"{precision}_flops"]
+    assert h200.fp32_flops == 67e12
+    assert h200.memory_bandwidth == 4.8e12 and "4.8TB/s" in h200.sources["memory_bandwidth"]
+    assert h200.memory_bytes == 141 * 2**30 and h200.usable_memory_bytes == 143156 * 2**20
+    assert h200.usable_memory_bytes > h100.memory_bytes
+    assert "ASSUMPTION" in h200.sources["mfu"] and h200.mfu == h100.mfu
+    assert gpu_specs.evidence(h200, "bf16_flops") == "cited" and gpu_specs.evidence(h200, "mfu") == "assumed"
+
+
+def test_the_h200_systems_one_gpu_and_an_hgx_node():
+    one, node = SYSTEMS["H200x1"], SYSTEMS["H200x8"]
+    assert one.gpu is node.gpu is gpu_specs.H200_SXM
+    assert (one.count, node.count) == (1, 8)
+    assert "PCIe Gen5: 128GB/s" in one.sources["count"]
+    # NVLink 4 as on the H100 node: 900 GB/s both ways, 450 per direction; the all-reduce busbw measured on H200s
+    assert node.link_bandwidth == gpu_specs.H100X8.link_bandwidth == 450e9
+    assert node.allreduce_busbw == 475e9 and "issues/272" in node.sources["allreduce_busbw"]
+    assert gpu_specs.evidence(node, "allreduce_busbw") == "cited"
+    assert gpu_specs.evidence(node, "gather_busbw") == "assumed"
+    for name in ("link_bandwidth", "allreduce_busbw", "gather_busbw", "alpha_step_s", "alpha_base_s"):
+        assert getattr(one, name) == getattr(node, name) and one.sources[name] == node.sources[name]
 
 
 def test_the_specs_do_not_need_torch():

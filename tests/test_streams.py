@@ -270,13 +270,16 @@ def _gpu_shaped_record(tmp_path, truth: Inputs):
     return read_result(path)
 
 
-def test_predictions_for_a_gpu_result_come_from_its_own_measured_inputs(tmp_path):
-    truth = Inputs(link_GBps=12.0, stage_GBps=7.0, api_s=8e-6, copy_latency_s=10e-6)
+@pytest.mark.parametrize("sync_s", [0.0, 15e-6])
+def test_predictions_for_a_gpu_result_come_from_its_own_measured_inputs(tmp_path, sync_s):
+    truth = Inputs(link_GBps=12.0, stage_GBps=7.0, api_s=8e-6, copy_latency_s=10e-6, sync_s=sync_s)
     record = _gpu_shaped_record(tmp_path, truth)
     prediction = stream_results.predict_transfer_result(record)
     inputs = prediction["inputs"]
     assert inputs.link_GBps == pytest.approx(12.0, rel=0.01) and inputs.stage_GBps == 7.0
     assert inputs.copy_latency_s == pytest.approx(10e-6, rel=0.05) and inputs.api_s == pytest.approx(8e-6)
+    assert inputs.sync_s == pytest.approx(sync_s, abs=1e-9)
+    assert inputs.cache_bytes is None and inputs.stage_dram_GBps is None  # no pin_memory() rows: one staging rate
     measured = {(r["bytes"], r["mode"]): r for r in record["metrics"]["ranks"][0]["bandwidth"]}
     for row in prediction["bandwidth"]:  # the pageable rows were not inputs: they are predicted
         assert row["GBps"] == pytest.approx(measured[row["bytes"], row["mode"]]["GBps"], rel=0.02)
@@ -295,3 +298,118 @@ def test_a_gpu_result_is_drawn_next_to_the_model(tmp_path):
     figures, summary = plots.plot_transfer_against_model(record)
     assert len(figures) == 3
     assert "measured" in summary and "predicted" in summary and "test double" in summary
+
+
+def test_a_host_that_waits_wakes_sync_s_after_the_work_it_waited_for():
+    """A blocking copy returns ``sync_s`` after its copy ends, and the events around it see that (the end
+    event is recorded once the call returns); a non_blocking one is unchanged. Without ``sync_s``, as before."""
+    woken = Inputs(link_GBps=16.0, stage_GBps=6.0, api_s=5e-6, sync_s=20e-6)
+    for pinned in (True, False):
+        call = stream_scenarios.single_copy(woken, 1 * MB, pinned=pinned, non_blocking=False)
+        assert call.returned == pytest.approx(call.end + 20e-6)
+        plain = stream_scenarios.single_copy(INPUTS, 1 * MB, pinned=pinned, non_blocking=False)
+        assert plain.returned == pytest.approx(plain.end)
+    rows = {r["mode"]: r for r in stream_scenarios.predicted_bandwidth(woken, [1 * MB])}
+    before = {r["mode"]: r for r in stream_scenarios.predicted_bandwidth(INPUTS, [1 * MB])}
+    assert rows["pinned"]["time_s"] == pytest.approx(before["pinned"]["time_s"] + 20e-6)
+    assert rows["pinned+non_blocking"]["time_s"] == pytest.approx(before["pinned+non_blocking"]["time_s"])
+    m = StreamModel(woken)  # every wait for the device: an event, a stream, the device
+    m.kernel("k", 0.001)
+    m.record("done")
+    m.event_synchronize("done")
+    assert m.now == pytest.approx(woken.api_s + 0.001 + 20e-6)  # the kernel's end, then the wake-up
+    m.synchronize()  # nothing left to wait for: no wake-up
+    assert m.now == pytest.approx(woken.api_s + 0.001 + 20e-6)
+
+
+def test_a_pageable_source_too_large_for_the_caches_is_staged_at_the_dram_rate():
+    dram = Inputs(link_GBps=50.0, stage_GBps=12.0, stage_dram_GBps=7.0, cache_bytes=16 * MB)
+    assert dram.stage_rate(16 * MB) == 12.0 and dram.stage_rate(64 * MB) == 7.0
+    assert INPUTS.stage_rate(1 << 40) == INPUTS.stage_GBps  # no cache size: one rate
+    staged = lambda n: sum(
+        i.duration for i in stream_scenarios.single_copy(dram, n, pinned=False, non_blocking=True).device
+    )
+    for size, rate in ((16 * MB, 12.0), (64 * MB, 7.0)):
+        m = StreamModel(dram)
+        m.copy_h2d("x", size, pinned=False, non_blocking=False)
+        assert sum(i.duration for i in m.intervals if i.kind == "stage") == pytest.approx(size / (rate * 1e9))
+    assert staged(64 * MB) == pytest.approx(64 * MB / 50e9)  # the link's share does not change
+    assert "from DRAM" in dram.describe() and "from DRAM" not in INPUTS.describe()
+
+
+def test_the_cache_size_is_where_a_pageable_clone_slows_down():
+    clone = lambda pairs: [{"bytes": n * MB, "pageable_clone_s": s} for n, s in pairs]
+    assert stream_results.cache_bytes_from(clone([(1, 14.5e-6), (16, 237e-6), (64, 3.6e-3), (256, 14.4e-3)])) == 16 * MB
+    assert stream_results.cache_bytes_from(clone([(1, 1e-4), (4, 4e-4), (16, 1.6e-3)])) is None  # no drop
+    assert stream_results.cache_bytes_from([]) is None
+
+
+# The H200's host-to-device copies, as measured on 2026-11-27 (shared/gpu-runs/2026-11-27-h200/run2-probe/
+# copies.json, rank 0): KiB, mode, time between the CUDA events (us), time the call blocked the host (us).
+H200_H2D = [
+    (64, "pageable", 35.68, 43.26),
+    (64, "pageable+non_blocking", 26.40, 34.91),
+    (64, "pinned", 18.66, 25.55),
+    (64, "pinned+non_blocking", 11.36, 18.46),
+    (256, "pageable", 50.94, 63.20),
+    (256, "pageable+non_blocking", 38.18, 49.15),
+    (256, "pinned", 31.46, 41.75),
+    (256, "pinned+non_blocking", 18.62, 29.58),
+    (1024, "pageable", 140.16, 157.55),
+    (1024, "pageable+non_blocking", 112.51, 131.14),
+    (1024, "pinned", 53.06, 69.62),
+    (1024, "pinned+non_blocking", 35.90, 41.24),
+    (4096, "pageable", 461.70, 476.05),
+    (4096, "pageable+non_blocking", 420.29, 433.42),
+    (4096, "pinned", 116.90, 127.30),
+    (4096, "pinned+non_blocking", 97.57, 29.80),
+    (16384, "pageable", 1575.62, 1590.86),
+    (16384, "pageable+non_blocking", 1478.46, 1498.55),
+    (16384, "pinned", 343.46, 354.98),
+    (16384, "pinned+non_blocking", 311.78, 29.70),
+    (65536, "pageable", 10317.57, 10343.59),
+    (65536, "pageable+non_blocking", 8204.67, 8216.79),
+    (65536, "pinned", 1264.32, 1280.49),
+    (65536, "pinned+non_blocking", 1229.98, 57.81),
+    (262144, "pageable", 31845.44, 31858.74),
+    (262144, "pageable+non_blocking", 36821.82, 36851.48),
+    (262144, "pinned", 4893.98, 4908.17),
+    (262144, "pinned+non_blocking", 4864.29, 45.71),
+]
+H200_CLONE_S = [(1, 14.5e-6), (4, 24.4e-6), (16, 237.4e-6), (64, 3613.5e-6), (256, 14429.6e-6)]  # pinning_cost
+H200_HOST = {  # the same machine's distlab.bench.host (run2-probe/host.json): 64 MiB staged, 64 MiB copied
+    "staging_copy": [{"bytes": 64 * MB, "chunk_bytes": 2 * MB, "GBps": 11.876245690779411}],
+    "memory_copy": {"bytes": 64 * MB, "GBps": 7.002712540512028},
+}
+
+
+def _h200_record() -> dict:
+    rows = [
+        {"bytes": k << 10, "direction": "h2d", "mode": mode, "time_s": t * 1e-6, "host_blocked_s": h * 1e-6,
+         "GBps": (k << 10) / (t * 1e-6) / 1e9}
+        for k, mode, t, h in H200_H2D
+    ]  # fmt: skip
+    clone = [{"bytes": n * MB, "pageable_clone_s": s} for n, s in H200_CLONE_S]
+    return {"metrics": {"ranks": [{"rank": 0, "gpu": "NVIDIA H200", "bandwidth": rows, "pinning_cost": clone}]}}
+
+
+def test_the_model_predicts_the_h200_copies_from_that_machines_own_inputs():
+    """Issue 34: fed from the H200's own measurements the model missed the 256 MiB pageable copy by +41 % and the
+    1 MiB blocking pinned copy by +41 %. What it lacked: the host's wake-up after cudaStreamSynchronize (the end
+    event of a blocking copy is recorded only then), and the staging rate of a source the caches do not keep
+    (a 256 MiB source streams from DRAM; bench.host's staging copy keeps its destination in the caches)."""
+    record, host = _h200_record(), {"metrics": H200_HOST}
+    inputs = stream_results.inputs_from_transfer_result(record, host=host)
+    assert inputs.sync_s == pytest.approx(19.33e-6, abs=0.01e-6)  # blocking less non_blocking pinned, median
+    assert inputs.cache_bytes == 16 * MB and inputs.stage_dram_GBps == pytest.approx(7.0, abs=0.01)
+    assert inputs.stage_GBps == pytest.approx(11.88, abs=0.01) and inputs.link_GBps == pytest.approx(54.85, abs=0.01)
+    table = {(r["bytes"], r["mode"]): r for r in stream_results.bandwidth_table(record, host=host)}
+    named = [(256 * MB, "pageable"), (16 * MB, "pageable"), (1 * MB, "pinned")]
+    assert [table[p]["before_GBps"] for p in named] == pytest.approx([11.9, 11.4, 27.9], abs=0.06)  # the issue's
+    assert table[256 * MB, "pageable"]["before_error"] > 0.35 and table[1 * MB, "pinned"]["before_error"] > 0.35
+    for point, row in table.items():
+        if point[0] >= 1 * MB:  # the 256 MiB pageable copy: 8.4 GB/s blocking, 7.3 non_blocking, the same staging
+            assert abs(row["after_error"]) < 0.18, (point, row)
+    large = [abs(r["after_error"]) for p, r in table.items() if p[0] >= 1 * MB]
+    assert sum(large) / len(large) < 0.07
+    assert "| 256 MiB | pageable |" in stream_results.markdown_table(list(table.values()))

@@ -103,13 +103,14 @@ def plot_measured_vs_predicted_bandwidth(record: dict, predicted: Sequence[dict]
     return axes
 
 
-def plot_transfer_against_model(record: dict, rank: int = 0) -> tuple[list, str]:
+def plot_transfer_against_model(record: dict, rank: int = 0, host: dict | None = None) -> tuple[list, str]:
     """A GPU result of :mod:`distlab.bench.transfer` next to the stream model's predictions from
-    inputs measured in that same result: the figures, and a Markdown summary that labels every
-    number measured or predicted."""
+    inputs measured in that same result (and ``host``, a :mod:`distlab.bench.host` result of the same machine
+    and run, when there is one): the figures, and a Markdown summary that labels every number measured or
+    predicted."""
     from ..predict import stream_results
 
-    prediction = stream_results.predict_transfer_result(record, rank)
+    prediction = stream_results.predict_transfer_result(record, rank, host)
     measured_on = hardware_label(record["environment"])
     if prediction is None:
         return [], f"*{measured_on}: this result holds no host-to-device bandwidth rows to compare with.*"

@@ -24,6 +24,12 @@ A100_SHEET = ("NVIDIA A100 Tensor Core GPU datasheet, https://www.nvidia.com/con
               "In-Depth, https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ (Table 1, A100 SXM4)")
 H100_SHEET = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/"
               "nvidia-tensor-core-gpu-datasheet (H100 SXM column; '* With sparsity')")
+H200_PAGE = ("NVIDIA H200 Tensor Core GPU, product page and datasheet, https://www.nvidia.com/en-us/data-center/h200/ "
+             "(H200 SXM column; tensor-core figures footnoted 'With sparsity')")
+MLPERF_H200 = ("MLCommons inference v4.1, NVIDIA's system description 'H200-SXM-141GBx8', https://github.com/mlcommons/"
+               "inference_results_v4.1/blob/main/closed/NVIDIA/systems/H200-SXM-141GBx8_TRT_MaxQ.json: "
+               "'accelerator_host_interconnect': 'PCIe Gen5 x16', 'accelerator_interconnect': '18x 4th Gen NVLink, "
+               "900GB/s', 'accelerator_memory_capacity': '141 GB', 'accelerators_per_node': 8")
 SMI_TOTALS = ("modal-labs/modal-client PR #2797 'nvidia quotes GB on their GPUs not GiB', "
               "https://github.com/modal-labs/modal-client/pull/2797: nvidia-smi totals")
 SGLANG_552 = ("sgl-project/sglang issue #552, https://github.com/sgl-project/sglang/issues/552: 'peer access is "
@@ -166,7 +172,38 @@ H100_SXM = GPU(
     }),
 )
 
-GPUS = {"T4": T4, "A100-40GB": A100_40GB, "H100-SXM": H100_SXM}
+H200_SXM = GPU(
+    name="NVIDIA H200 141 GB (SXM5)",
+    memory_bytes=141 * GiB,
+    usable_memory_bytes=143156 * MiB,
+    fp32_flops=67e12,
+    tf32_flops=989e12 / 2,
+    fp16_flops=1979e12 / 2,
+    bf16_flops=1979e12 / 2,
+    memory_bandwidth=4.8e12,
+    mfu=0.35,
+    sources=MappingProxyType({
+        "memory_bytes": f"{H200_PAGE}: 'GPU Memory 141GB' (HBM3e); {MLPERF_H200}. nvidia-smi shows 143771MiB.",
+        "usable_memory_bytes": "CUDA's total: \"_CudaDeviceProperties(name='NVIDIA H200', major=9, minor=0, "
+                               "total_memory=143156MB, multi_processor_count=132, ...)\" (torch prints MiB) in "
+                               "ai-bot-pro/achatbot, deploy/modal/src/llm/vllm/vlm/skywork_r1v.py at 859e216, "
+                               "https://github.com/ai-bot-pro/achatbot/blob/859e21612de769164d8d1802d794ef8f87ace3c8/"
+                               "deploy/modal/src/llm/vllm/vlm/skywork_r1v.py.",
+        "fp32_flops": f"{H200_PAGE}: 'FP32 67 TFLOPS'.",
+        "tf32_flops": f"{H200_PAGE}: 'TF32 Tensor Core 989 TFLOPS' with sparsity; dense is half, as on the H100.",
+        "fp16_flops": f"{H200_PAGE}: 'FP16 Tensor Core 1,979 TFLOPS' with sparsity; dense is half (989.5), the "
+                      "H100 SXM's: the same GH100 die.",
+        "bf16_flops": f"{H200_PAGE}: 'BFLOAT16 Tensor Core 1,979 TFLOPS' with sparsity; dense is half.",
+        "memory_bandwidth": f"{H200_PAGE}: 'GPU Memory Bandwidth 4.8TB/s'.",
+        "mfu": "ASSUMPTION: no published training MFU for the H200 was found. Taken as the H100 SXM's (0.35, "
+               f"{LLM_FOUNDRY}, table 'H100 80GB BF16'): the same die, clocks and tensor-core peaks; the H200's "
+               "larger, faster memory speeds memory-bound work, not the tensor cores. Like every MFU here it "
+               "holds for large steps: a step of a few thousand tokens on a small model is launch-bound and "
+               "reaches a small fraction of it.",
+    }),
+)
+
+GPUS = {"T4": T4, "A100-40GB": A100_40GB, "H100-SXM": H100_SXM, "H200-SXM": H200_SXM}
 
 PCIE3_X16 = 8e9 * 128 / 130 * 16 / 8  # 8 GT/s per lane, 128b/130b encoding, 16 lanes, bits -> bytes: 15.75 GB/s
 
@@ -258,7 +295,60 @@ H100X8 = System(
     }),
 )
 
-SYSTEMS = {"T4x2": KAGGLE_T4X2, "A100x2": A100X2, "H100x8": H100X8}
+NVLINK4_H200 = {
+    "link_bandwidth": f"{H200_PAGE}: 'NVIDIA NVLink: 900GB/s' (both directions, 18 links: {MLPERF_H200}); "
+                      "sjeaugey, https://github.com/NVIDIA/nccl-tests/issues/212: '450GB/s is the line rate' per "
+                      "direction on NVLink 4.",
+    "allreduce_busbw": "vitduck, https://github.com/NVIDIA/nccl-tests/issues/272 ('[H200] NCCL's All-reduce "
+                       "Performance Exceed 4th Gen NVLINK Spec.'): all_reduce_perf -b 64k -e 4G on 8x 'NVIDIA H200' "
+                       "of one node, NCCL 2.20.3: 'peak bandwidth of 475 GB/s' busbw (NVLink SHARP; the H100 "
+                       "figure, ~480, is sjeaugey's in nccl-tests issue #212).",
+    "gather_busbw": "ASSUMPTION: the H100 node's (same NVLink 4 and NVSwitch): sjeaugey, nccl-tests issue #212: "
+                    "'NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as BusBw when "
+                    "running non-allreduce operations'.",
+    "alpha_step_s": f"{NCCL_TUNING}; NVLink ring. NVLS all-reduce is modelled by NCCL as one 23 us step.",
+    "alpha_base_s": NCCL_TUNING,
+}
+
+H200X8 = System(
+    name="8x H200 SXM5 (one HGX H200 node, NVSwitch)",
+    gpu=H200_SXM,
+    count=8,
+    interconnect="NVLink 4 (18 links per GPU) through NVSwitch, NVLink SHARP (NVLS) all-reduce",
+    link_bandwidth=450e9,
+    allreduce_busbw=475e9,
+    gather_busbw=370e9,
+    alpha_step_s=3.4e-6,
+    alpha_base_s=8.4e-6,
+    sources=MappingProxyType({
+        "count": f"HGX H200: 8 H200 SXM on one NVSwitch baseboard ({MLPERF_H200}); the 8-GPU node of nccl-tests "
+                 "issue #272.",
+        **NVLINK4_H200,
+    }),
+)
+
+H200X1 = System(
+    name="1x H200 SXM5 (one GPU of an HGX H200 board)",
+    gpu=H200_SXM,
+    count=1,
+    interconnect="one GPU: no collectives; PCIe Gen5 x16 to the host; NVLink 4 to the board's other GPUs, which "
+    "carry the collectives of a run on more of them",
+    link_bandwidth=450e9,
+    allreduce_busbw=475e9,
+    gather_busbw=370e9,
+    alpha_step_s=3.4e-6,
+    alpha_base_s=8.4e-6,
+    sources=MappingProxyType({
+        "count": "One GPU, as cloud machines of one H200 give (the SXM part: 700 W, 141 GB; the H200 NVL is a "
+                 f"600 W PCIe card with other peaks, not this one). Host link: {H200_PAGE}: 'PCIe Gen5: 128GB/s' "
+                 "(both directions; 63 GB/s per direction after encoding, distlab.predict.streams.pcie_GBps(5)). "
+                 "On one GPU a step has no collective: its prediction is compute and optimizer only. The NVLink "
+                 "figures are the board's, as H200x8's, for a comparison with a run on more of its GPUs.",
+        **NVLINK4_H200,
+    }),
+)
+
+SYSTEMS = {"T4x2": KAGGLE_T4X2, "A100x2": A100X2, "H100x8": H100X8, "H200x8": H200X8, "H200x1": H200X1}
 
 
 def evidence(spec: GPU | System, field: str) -> str:

@@ -37,12 +37,46 @@ def inputs_from_host_result(
     return Inputs(**values)
 
 
-def inputs_from_transfer_result(record: dict, rank: int = 0) -> Inputs | None:
-    """Model inputs from a GPU result of :mod:`distlab.bench.transfer`, all measured on that
-    machine: the link rate (the largest pinned copy), the fixed cost of a copy (the smallest pinned
-    copy, less its bytes at that rate), the call overhead (how long a ``non_blocking`` pinned copy
-    blocked the host) and, when the result holds the host's figures, the staging rate. The
-    pageable rows are *not* inputs: they are what the model predicts. None without the rows."""
+CACHE_CLIFF = 2.0
+"""How many times faster than the largest one a ``clone()`` must run for its source to count as cache-resident."""
+
+
+def cache_bytes_from(pinning_cost: list[dict]) -> int | None:
+    """The largest size whose pageable ``clone()`` (:func:`distlab.bench.transfer.pinning_cost`, the same host)
+    ran ``CACHE_CLIFF`` times faster than the largest size's, whose source and copy stream from DRAM: the
+    largest buffer the host's caches kept between repetitions, as far as these sizes tell. None without rows or
+    without such a drop (every size behaved alike)."""
+    rows = sorted((r for r in pinning_cost or [] if r.get("pageable_clone_s")), key=lambda r: r["bytes"])
+    if len(rows) < 2:
+        return None
+    rate = lambda r: r["bytes"] / r["pageable_clone_s"]
+    cached = [r["bytes"] for r in rows[:-1] if rate(r) >= CACHE_CLIFF * rate(rows[-1])]
+    return max(cached) if cached else None
+
+
+def _host_rates(metrics: dict, chunk_bytes: int = 2 << 20) -> dict:
+    """The staging rate (``chunk_bytes`` buffers) and the DRAM-to-DRAM copy rate of a bench.host result."""
+    rows = metrics["staging_copy"]
+    row = next((r for r in rows if r["chunk_bytes"] == chunk_bytes), rows[-1])
+    plain = metrics.get("memory_copy")
+    return {"stage": row, "dram": plain}
+
+
+def inputs_from_transfer_result(record: dict, rank: int = 0, host: dict | None = None) -> Inputs | None:
+    """Model inputs from a GPU result of :mod:`distlab.bench.transfer`, all measured on that machine:
+
+    * the link rate: the largest pinned copy;
+    * the call overhead: how long a ``non_blocking`` pinned copy blocked the host (the smallest);
+    * the fixed cost of a copy: the smallest ``non_blocking`` pinned copy, less its bytes at that rate and the call;
+    * the wake-up after a wait (``sync_s``): a blocking pinned copy's time less a ``non_blocking`` one's of the
+      same size (the end event is recorded only once the host has woken from ``cudaStreamSynchronize``), the
+      median over the sizes;
+    * the staging rates, where the result holds the host's figures (or ``host``, a :mod:`distlab.bench.host`
+      result from the same machine, is given): the staging copy into a 2 MiB buffer, and for sources the caches
+      do not keep (over :func:`cache_bytes_from` the result's ``pin_memory()`` rows) the copy between two
+      64 MiB buffers, both sides in DRAM.
+
+    The pageable rows are *not* inputs: they are what the model predicts. None without the rows."""
     measured = record["metrics"]["ranks"][rank]
     rows = [r for r in measured.get("bandwidth", []) if r["direction"] == "h2d"]
     pinned = sorted((r for r in rows if r["mode"] == "pinned"), key=lambda r: r["bytes"])
@@ -51,31 +85,99 @@ def inputs_from_transfer_result(record: dict, rank: int = 0) -> Inputs | None:
         return None
     link, api_s = pinned[-1]["GBps"], quick[0]["host_blocked_s"]
     # events bracket the call, so a copy's time holds the call's own overhead too
-    latency = max(0.0, pinned[0]["time_s"] - pinned[0]["bytes"] / (link * 1e9) - api_s)
-    host_side = record["metrics"].get("host")
-    stage = None
-    if host_side:
-        staged_rows = host_side["staging_copy"]
-        stage = next((r for r in staged_rows if r["chunk_bytes"] == 2 << 20), staged_rows[-1])["GBps"]
+    latency = max(0.0, quick[0]["time_s"] - quick[0]["bytes"] / (link * 1e9) - api_s)
+    blocking = {r["bytes"]: r["time_s"] for r in pinned}
+    waits = sorted(max(0.0, blocking[r["bytes"]] - r["time_s"]) for r in quick if r["bytes"] in blocking)
+    sync_s = waits[len(waits) // 2] if waits else 0.0
     size = lambda n: f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-    return Inputs(
+    host_side = (host or {}).get("metrics") or record["metrics"].get("host")
+    where = "bench.host on that machine" if host else "on that host, by the same run"
+    values: dict = dict(
         link_GBps=link,
-        stage_GBps=stage or math.nan,
+        stage_GBps=math.nan,
         api_s=api_s,
         copy_latency_s=latency,
+        sync_s=sync_s,
         sources={
             "link_GBps": f"measured: pinned copy of {size(pinned[-1]['bytes'])}",
-            "stage_GBps": "measured on that host" if stage else "not in this result",
+            "stage_GBps": "not in this result",
             "api_s": f"measured: a non_blocking pinned copy of {size(quick[0]['bytes'])}",
-            "copy_latency_s": f"measured: pinned copy of {size(pinned[0]['bytes'])}",
+            "copy_latency_s": f"measured: non_blocking pinned copy of {size(quick[0]['bytes'])}",
+            "sync_s": f"measured: blocking less non_blocking pinned copies, median of {len(waits)} sizes",
         },
     )
+    if host_side:
+        rates = _host_rates(host_side)
+        values["stage_GBps"] = rates["stage"]["GBps"]
+        values["sources"]["stage_GBps"] = f"measured: {size(rates['stage']['chunk_bytes'])} buffers, {where}"
+        cache = cache_bytes_from(measured.get("pinning_cost"))
+        if rates["dram"] and cache is not None:
+            values["stage_dram_GBps"] = rates["dram"]["GBps"]
+            values["cache_bytes"] = cache
+            values["sources"]["stage_dram_GBps"] = (
+                f"measured: {size(rates['dram']['bytes'])} to {size(rates['dram']['bytes'])}, {where}"
+            )
+            values["sources"]["cache_bytes"] = "measured: pageable clone() rates of the same run"
+    return Inputs(**values)
 
 
-def predict_transfer_result(record: dict, rank: int = 0) -> dict | None:
+def without_host_terms(inputs: Inputs) -> Inputs:
+    """``inputs`` as the model took them before the wake-up after a wait and the DRAM staging rate
+    (issue 34): what the "before" columns of :func:`bandwidth_table` predict."""
+    return replace(inputs, sync_s=0.0, stage_dram_GBps=None, cache_bytes=None)
+
+
+def bandwidth_table(record: dict, rank: int = 0, host: dict | None = None) -> list[dict]:
+    """Each host-to-device row of a GPU transfer result, measured, next to the model's prediction without
+    (``before_GBps``) and with (``after_GBps``) the wake-up and the DRAM staging rate; errors are predicted
+    over measured, less one. Inputs from :func:`inputs_from_transfer_result` (``host`` as there)."""
+    inputs = inputs_from_transfer_result(record, rank, host)
+    if inputs is None or math.isnan(inputs.stage_GBps):
+        return []
+    sizes = sorted({r["bytes"] for r in record["metrics"]["ranks"][rank]["bandwidth"]})
+    guess = {
+        key: {(r["bytes"], r["mode"]): r["GBps"] for r in predicted_bandwidth(model, sizes)}
+        for key, model in (("before", without_host_terms(inputs)), ("after", inputs))
+    }
+    out = []
+    for row in record["metrics"]["ranks"][rank]["bandwidth"]:
+        if row["direction"] != "h2d":
+            continue
+        point = (row["bytes"], row["mode"])
+        before, after = guess["before"][point], guess["after"][point]
+        out.append(
+            {
+                "bytes": row["bytes"],
+                "mode": row["mode"],
+                "measured_GBps": row["GBps"],
+                "before_GBps": before,
+                "after_GBps": after,
+                "before_error": before / row["GBps"] - 1,
+                "after_error": after / row["GBps"] - 1,
+            }
+        )
+    return out
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """:func:`bandwidth_table`'s rows as a Markdown table."""
+    size = lambda n: f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    lines = [
+        "| size | mode | measured GB/s | predicted before | error | predicted after | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {size(r['bytes'])} | {r['mode']} | {r['measured_GBps']:.2f} | {r['before_GBps']:.2f} | "
+            f"{r['before_error']:+.0%} | {r['after_GBps']:.2f} | {r['after_error']:+.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def predict_transfer_result(record: dict, rank: int = 0, host: dict | None = None) -> dict | None:
     """What the model predicts for each experiment in a GPU result, from inputs measured in that
-    same result (:func:`inputs_from_transfer_result`), next to what was measured."""
-    inputs = inputs_from_transfer_result(record, rank)
+    same result (:func:`inputs_from_transfer_result`; ``host`` as there), next to what was measured."""
+    inputs = inputs_from_transfer_result(record, rank, host)
     if inputs is None:
         return None
     measured = record["metrics"]["ranks"][rank]

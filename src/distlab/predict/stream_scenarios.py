@@ -34,7 +34,7 @@ def training_loop(
     ``side_stream``: each batch is copied on a second stream one step ahead
     (double-buffered: a buffer is refilled once the step that read it is done)."""
     m = StreamModel(inputs)
-    pin_s = batch_bytes / (inputs.stage_GBps * 1e9)
+    pin_s = batch_bytes / (inputs.stage_rate(batch_bytes) * 1e9)
 
     def fetch(k: int, stream: str) -> Call:
         m.host_work("next(loader)", load_s, step=k)
@@ -137,8 +137,10 @@ def single_copy(inputs: Inputs, nbytes: int, *, pinned: bool, non_blocking: bool
 
 
 def predicted_bandwidth(inputs: Inputs, sizes: Sequence[int], direction: str = "h2d") -> list[dict]:
-    """Rows shaped like ``copy_bandwidth``'s, predicted: GB/s from the time between the call and the
-    copy's end (what CUDA events around the call measure), and how long the call blocked the host."""
+    """Rows shaped like ``copy_bandwidth``'s, predicted: GB/s from what CUDA events around the call measure,
+    and how long the call blocked the host. The end event is recorded once the call returns and completes
+    once the copy has: the time runs from the call to the later of the copy's end and the call's return
+    (a blocking call returns ``sync_s`` after its copy ends)."""
     rows = []
     for size in sizes:
         for mode in ("pageable", "pageable+non_blocking", "pinned", "pinned+non_blocking"):
@@ -149,7 +151,7 @@ def predicted_bandwidth(inputs: Inputs, sizes: Sequence[int], direction: str = "
                 non_blocking=mode.endswith("non_blocking"),
                 direction=direction,
             )
-            elapsed = call.end - call.issued
+            elapsed = max(call.end, call.returned) - call.issued
             rows.append(
                 {
                     "bytes": size,

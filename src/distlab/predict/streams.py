@@ -31,7 +31,13 @@ What it simulates:
   copy larger than the pool makes the host wait for the stream; a smaller one
   returns as soon as it is staged. It does not synchronize with the stream
   before staging. Copies *to* pageable memory are staged the other way and
-  return only when the data has arrived.
+  return only when the data has arrived. The staging rate depends on where the
+  source lives: a source the CPU's caches keep between copies (up to
+  ``cache_bytes``) is staged at ``stage_GBps``, a larger one streams from DRAM
+  at ``stage_dram_GBps``.
+- **Waking up**: a host that waits for the device (``cudaStreamSynchronize``,
+  an event, a blocking copy) goes on ``sync_s`` after the work it waited for
+  has finished, so the next call it makes reaches the device that much later.
 - **Buffers**: a copy or kernel can write a named buffer; :meth:`StreamModel.read`
   says which version the host sees at that moment (the D2H hazard).
 
@@ -110,7 +116,22 @@ class Inputs:
     """1: H2D and D2H copies share one engine; 2: one engine per direction."""
     copy_latency_s: float = 0.0
     """Fixed time of one copy on its engine, besides the bytes (0 unless fitted to a measurement)."""
+    sync_s: float = 0.0
+    """Time from the end of the device work the host waits for to the host going on: the waiting thread wakes,
+    and its next call (an event record, a launch) reaches the device (0 unless fitted to a measurement)."""
+    stage_dram_GBps: float | None = None
+    """Host staging rate from a pageable source larger than ``cache_bytes``, which streams from DRAM (measured by
+    :mod:`distlab.bench.host` as a copy between two buffers too large for the caches); None: ``stage_GBps``."""
+    cache_bytes: int | None = None
+    """Largest pageable source the host's caches keep from one copy to the next; None: every source is staged
+    at ``stage_GBps``."""
     sources: dict = field(default_factory=dict, compare=False)
+
+    def stage_rate(self, nbytes: int) -> float:
+        """GB/s at which the host stages (or pins) a pageable source of ``nbytes``: ``stage_GBps`` while the
+        source fits in the caches, ``stage_dram_GBps`` beyond ``cache_bytes``."""
+        beyond = self.cache_bytes is not None and nbytes > self.cache_bytes
+        return self.stage_dram_GBps if beyond and self.stage_dram_GBps else self.stage_GBps
 
     def describe(self) -> str:
         """One line naming every input and its source, for figure captions."""
@@ -122,8 +143,16 @@ class Inputs:
             f"staging {self.staging_chunks} x {self.chunk_bytes >> 20} MiB (assumed)",
             f"{self.copy_engines} copy engine{'s' if self.copy_engines > 1 else ''}",
         ]
+        if self.stage_dram_GBps and self.cache_bytes is not None:
+            parts.insert(
+                2,
+                f"from DRAM (sources over {self.cache_bytes >> 20} MiB, {self.sources.get('cache_bytes', 'given')}) "
+                f"{self.stage_dram_GBps:.2f} GB/s ({self.sources.get('stage_dram_GBps', 'given')})",
+            )
         if self.copy_latency_s:
             parts.append(f"copy latency {self.copy_latency_s * 1e6:.1f} us ({self.sources.get('copy_latency_s', '')})")
+        if self.sync_s:
+            parts.append(f"wake-up after a wait {self.sync_s * 1e6:.1f} us ({self.sources.get('sync_s', 'given')})")
         return "; ".join(parts)
 
 
@@ -266,6 +295,12 @@ class StreamModel:
             self._host(label, time - self.now, "wait", step)
         self.now = max(self.now, time)
 
+    def _sync(self, time: float, label: str, step: int | None) -> None:
+        """The host waits for the device until ``time``, and wakes ``sync_s`` later if it had to wait."""
+        if time > self.now + 1e-12:
+            time += self.inputs.sync_s
+        self._wait_until(time, label, step)
+
     def _earliest(self, lane: str, ready: float, seconds: float) -> float:
         """The first time from ``ready`` at which ``lane`` is free for ``seconds``."""
         busy = self._busy.setdefault(lane, [])
@@ -323,12 +358,12 @@ class StreamModel:
                 slot = self._next_slot
                 self._next_slot = (slot + 1) % m.staging_chunks
                 self._wait_until(self._staging_free[slot], "wait for a staging buffer", step)
-                self._host(f"stage {label}", chunk / (m.stage_GBps * 1e9), "stage", step)
+                self._host(f"stage {label}", chunk / (m.stage_rate(nbytes) * 1e9), "stage", step)
                 seconds = (m.copy_latency_s if index == 0 else 0.0) + chunk / (m.link_GBps * 1e9)
                 work.append(self._device(lane, label, seconds, stream, "copy", step))
                 self._staging_free[slot] = work[-1].end
         if not non_blocking:
-            self._wait_until(self._tail[stream], "cudaStreamSynchronize", step)
+            self._sync(self._tail[stream], "cudaStreamSynchronize", step)
         return Call(issued, self.now, tuple(work))
 
     def copy_d2h(
@@ -342,7 +377,7 @@ class StreamModel:
             work = [self._device(lane, label, m.copy_latency_s + nbytes / (m.link_GBps * 1e9), stream, "copy", step)]
             self._write(into, label, work[0].end)
             if not non_blocking:
-                self._wait_until(self._tail[stream], "cudaStreamSynchronize", step)
+                self._sync(self._tail[stream], "cudaStreamSynchronize", step)
             return Call(issued, self.now, tuple(work))
         work = []  # to pageable memory: through the staging buffers, and the host copies each chunk out
         for index, offset in enumerate(range(0, max(nbytes, 1), m.chunk_bytes)):
@@ -370,14 +405,14 @@ class StreamModel:
         self._tail[stream] = max(self._tail.get(stream, 0.0), self._events[event])
 
     def event_synchronize(self, event: str, label: str = "") -> None:
-        self._wait_until(self._events[event], label or f"{event}.synchronize()", None)
+        self._sync(self._events[event], label or f"{event}.synchronize()", None)
 
     def stream_synchronize(self, stream: str = DEFAULT, label: str = "", step: int | None = None) -> None:
-        self._wait_until(self._tail.get(stream, 0.0), label or "stream.synchronize()", step)
+        self._sync(self._tail.get(stream, 0.0), label or "stream.synchronize()", step)
 
     def synchronize(self, label: str = "torch.cuda.synchronize()", step: int | None = None) -> None:
         """The host waits for the work of every stream."""
-        self._wait_until(max(self._tail.values(), default=0.0), label, step)
+        self._sync(max(self._tail.values(), default=0.0), label, step)
 
     def read(self, buffer: str) -> Read:
         """The host reads a host buffer now: it sees the last write that has *completed*."""
