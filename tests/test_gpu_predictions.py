@@ -55,3 +55,20 @@ def test_ddp_keeps_fp32_parameters_gradients_and_buckets():
     parameters, activations = row["parameters"], gpu_predictions.activation_bytes(MODEL, TOKENS, SEQ)
     steps = len(gpu_predictions.order_of(MODEL)) * 4  # Adam's fp32 step counter per tensor
     assert row["peak_bytes"] == max(20 * parameters, 16 * parameters + activations) + steps
+
+
+def test_one_h200_is_compute_and_optimizer_only():
+    """On one GPU a step has no collective: the prediction is the compute at the cited dense peak times the MFU,
+    and Adam's bytes at the cited memory bandwidth (what a one-rank run checks)."""
+    system = SYSTEMS["H200x1"]
+    row = gpu_predictions.predict(system, MODEL, "ddp", system.count, TOKENS, SEQ)
+    assert row["communication_s"] == 0 and row["bytes_sent"] == 0
+    step = row["compute_s"] + row["optimizer_s"]
+    assert row["step_s_no_overlap"] == row["step_s_best_overlap"] == pytest.approx(step)
+    assert row["optimizer_s"] == pytest.approx(row["parameters"] * 28 / 4.8e12)
+    flops = row["compute_s"] * system.gpu.peak_flops("bf16") * system.gpu.mfu
+    on_h100 = gpu_predictions.predict(SYSTEMS["H100x8"], MODEL, "ddp", 1, TOKENS, SEQ)
+    assert row["compute_s"] == pytest.approx(on_h100["compute_s"])  # the same die, the same cited peak and MFU
+    assert flops == pytest.approx(on_h100["compute_s"] * 989.5e12 * 0.35)
+    assert row["optimizer_s"] < on_h100["optimizer_s"]  # faster memory: 4.8 TB/s against 3.35
+    assert row["fits"] and row["usable_memory_bytes"] == system.gpu.usable_memory_bytes

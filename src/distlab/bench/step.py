@@ -118,15 +118,28 @@ def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = 
     return gather_per_rank(mine, runtime)
 
 
-def cuda_peaks(trainee: Trainee, tokens: torch.Tensor, targets: torch.Tensor, runtime) -> list[dict] | None:
+def cuda_peaks(
+    trainee: Trainee,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    runtime,
+    warmup: int = 0,
+    resident_before: int | None = None,
+) -> list[dict] | None:
     """One more step with CUDA's allocator counting: every rank's ``torch.cuda.max_memory_allocated`` and
-    ``max_memory_reserved`` over it (on rank 0), beside the course's own byte count."""
+    ``max_memory_reserved`` over it (on rank 0), beside the course's own byte count. ``warmup`` untimed steps
+    first (a trainee just built has no optimizer state yet); ``resident_before``, what this rank had allocated
+    before the trainee was built, is recorded beside them (it is inside ``max_allocated``)."""
+    for _ in range(warmup):
+        trainee.step(tokens, targets)
     torch.cuda.synchronize(runtime.device)
     torch.cuda.reset_peak_memory_stats(runtime.device)
     trainee.step(tokens, targets)
     torch.cuda.synchronize(runtime.device)
     peaks = {"max_allocated": torch.cuda.max_memory_allocated(runtime.device)}
     peaks["max_reserved"] = torch.cuda.max_memory_reserved(runtime.device)
+    if resident_before is not None:
+        peaks["resident_before"] = resident_before
     return gather_per_rank(peaks, runtime)
 
 

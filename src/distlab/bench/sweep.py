@@ -12,11 +12,19 @@ The same run also measures what the cost model (:mod:`distlab.predict.costmodel`
 the same conditions: each preset's forward, backward and optimizer step with no communication at
 all (``local``: every rank trains its own copy), and all-reduce, all-gather and reduce-scatter at
 several sizes, torch's and the course's ring. The model never sees the strategies' own times.
+
+On a GPU each preset can have its own batch (``--batch-sizes``, which ``distlab.gpu_report`` sizes so that
+compute dominates the step: :func:`distlab.predict.gpu_predictions.sweep_size`), and one preset can run first
+at ``--batch-size`` as well, the labelled launch-bound point (``--launch-bound``). Every point reports its
+FLOPs per step, the TFLOP/s each variant achieved and, where the course cites the GPU, their share of its
+dense peak. CUDA's own peak of each variant is taken with that variant alone on the GPU (:func:`each_alone`).
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +35,8 @@ from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
+from ..predict.costmodel import training_flops
+from ..predict.gpu_predictions import gpu_for
 from ..predict.memory import expected_state_bytes, parameter_shapes, shard_unit_shapes
 from ..runtime import LOW_PRECISION, Runtime, distributed, synchronize
 from . import shard_collectives
@@ -50,8 +60,14 @@ class SweepConfig(BenchConfig):
 
     models: str = option("gpt-tiny,gpt-mini,gpt-34m,gpt-small", "GPT presets, smallest first")
     variants: str = option(",".join(VARIANTS), "strategies to compare, comma-separated")
-    batch_size: int = option(4, "sequences per rank per step")
+    batch_size: int = option(4, "sequences per rank per step (every preset's, unless --batch-sizes)")
     seq_len: int = option(64, "tokens per sequence")
+    batch_sizes: str = option(
+        "", "sequences per rank per step of each preset, comma-separated in --models order (empty: --batch-size)"
+    )
+    launch_bound: str = option(
+        "", "a preset run first at --batch-size as well, labelled the launch-bound point (empty: none)"
+    )
     steps: int = option(20, "timed steps per strategy and preset")
     warmup: int = option(1, "untimed steps per strategy and preset")
     collective_sizes: str = option("64KB:64MB", "sizes of the collectives timed for the cost model")
@@ -67,12 +83,28 @@ class SweepConfig(BenchConfig):
     )
 
     def validate(self) -> None:
-        for name in self.models.split(","):
+        for name in self.models.split(",") + ([self.launch_bound] if self.launch_bound else []):
             if name not in GPT_PRESETS:
                 raise DistlabError(f"unknown preset {name!r}: choose from {', '.join(GPT_PRESETS)}")
+            if self.seq_len > GPT_PRESETS[name].seq_len:
+                raise DistlabError(
+                    f"{name} takes at most {GPT_PRESETS[name].seq_len} tokens, not --seq-len {self.seq_len}"
+                )
         unknown = set(self.variants.split(",")) - set(VARIANTS)
         if unknown:
             raise DistlabError(f"unknown variant(s) {', '.join(sorted(unknown))}: choose from {', '.join(VARIANTS)}")
+        sizes = self.batch_sizes.split(",") if self.batch_sizes else []
+        if sizes and (len(sizes) != len(self.models.split(",")) or not all(s.isdigit() and int(s) > 0 for s in sizes)):
+            raise DistlabError(f"--batch-sizes {self.batch_sizes!r}: one positive whole number per preset of --models")
+
+    def points(self) -> list[tuple[str, int, str]]:
+        """(preset, sequences per rank, label) of every point, in the order they run: the launch-bound point first
+        (labelled ``launch-bound``), then each preset at its own batch (``sized``) or at ``--batch-size`` (no label)."""
+        models = self.models.split(",")
+        sizes = [int(s) for s in self.batch_sizes.split(",")] if self.batch_sizes else [self.batch_size] * len(models)
+        label = "sized" if self.batch_sizes else ""
+        first = [(self.launch_bound, self.batch_size, "launch-bound")] if self.launch_bound else []
+        return first + [(model, size, label) for model, size in zip(models, sizes)]
 
 
 class LocalTrainee(Trainee):
@@ -129,16 +161,87 @@ def available_bytes() -> int | None:
         return None
 
 
-def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress) -> dict:
+CUDA_PEAKS = (
+    "each variant alone: the timed variants and the calibration copy freed, each variant built in turn, one "
+    "warm-up step, then torch.cuda.reset_peak_memory_stats and one step; resident_before is what was allocated "
+    "before it was built (the batch, cuBLAS's workspace), inside max_allocated"
+)
+"""How the sweep's ``cuda_memory`` was taken: on the footing of the course's count, which follows one variant."""
+
+
+def cited_peak(runtime: Runtime, precision: str) -> dict | None:
+    """The dense peak the course cites for this GPU in ``precision`` (:mod:`distlab.predict.gpu_specs`), or None:
+    a CPU, fp32, or a GPU the course cites nothing for."""
+    if runtime.device.type != "cuda" or precision == "fp32":
+        return None
+    gpu = gpu_for([torch.cuda.get_device_name(runtime.device)])
+    if gpu is None:
+        return None
+    return {"gpu": gpu.name, "precision": precision, "flops_per_s": gpu.peak_flops(precision)}
+
+
+def achieved(flops: float, seconds: float, peak: dict | None) -> dict:
+    """TFLOP/s per rank of a step of ``flops`` that took ``seconds``, and their share of the cited peak (or None)."""
+    rate = flops / seconds
+    return {"tflops": rate / 1e12, "peak_share": None if peak is None else rate / peak["flops_per_s"]}
+
+
+def each_alone(
+    names: list[str],
+    build: Callable[[str], object],
+    measure: Callable[[object, object], object],
+    before: Callable[[], object] = lambda: None,
+    release: Callable[[], None] = lambda: None,
+) -> dict[str, object]:
+    """``measure(build(name), before())`` for each name in turn, nothing built here alive but that one: garbage
+    collected and ``release()`` called before each is built and after the last, and the built object dropped as
+    soon as ``measure`` returns. The caller must hold no other of its kind (:func:`measure_preset` measures
+    this way once its timed variants are gone)."""
+    results = {}
+    for name in names:
+        gc.collect()
+        release()
+        baseline = before()
+        results[name] = measure(build(name), baseline)
+    gc.collect()
+    release()
+    return results
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """How a device counts a variant's own peak: ``measure(trainee, tokens, targets, runtime, warmup=,
+    resident_before=)`` (per-rank rows on rank 0), what is allocated now, and how to hand cached blocks back."""
+
+    measure: Callable[..., list[dict] | None]
+    allocated: Callable[[], int]
+    release: Callable[[], None]
+
+
+def device_peaks(runtime: Runtime) -> DevicePeaks | None:
+    """:func:`~distlab.bench.step.cuda_peaks` with CUDA's allocator on a GPU; None elsewhere (a CPU has no allocator
+    counter; the course's own count is each row's ``memory``). Not reached on a CPU: ``torch.cuda.memory_allocated``,
+    ``empty_cache`` and what ``cuda_peaks`` reads need a CUDA device; the order and the freeing around them are
+    :func:`each_alone`'s, and a test runs :func:`measure_preset` with this replaced."""
+    if runtime.device.type != "cuda":
+        return None
+    return DevicePeaks(cuda_peaks, lambda: torch.cuda.memory_allocated(runtime.device), torch.cuda.empty_cache)
+
+
+def time_and_observe(
+    model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress, tokens, targets
+) -> tuple[dict, list[dict]]:
+    """Every variant and the calibration copy built at once, timed round-robin, then each observed once (memory
+    by the course's count, bytes sent); the preset's own entry and the rows. Everything built here is freed
+    when it returns."""
     names = cfg.variants.split(",")
-    tokens, targets = token_batch(model_name, cfg.seq_len, cfg.batch_size, runtime)
     dtype = LOW_PRECISION.get(cfg.precision)
     local = LocalTrainee(model_name, runtime, dtype)
     trainees = {name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
                 for name in names}  # fmt: skip
     steps = {"local": lambda: local.step(tokens, targets)}
     steps |= {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
-    work = preset_parameters(model_name)  # a step's cost grows about with the model
+    work = preset_parameters(model_name) * tokens.numel()  # a step's cost grows about with the model and the batch
     times = round_robin(
         steps, runtime, cfg.steps, cfg.warmup, after=lambda name: progress.advance(model_name, name, work=work)
     )
@@ -152,25 +255,62 @@ def measure_preset(model_name: str, cfg: SweepConfig, runtime: Runtime, progress
             {"variant": name, **VARIANTS[name], **summarize_times(times[name]), "times_s": times[name]}
             | {"traffic": counted.summary(), "traffic_by_device": dict(counted.bytes_by_device)}
             | {"memory": {"ranks": memory}}
-            | ({"cuda_memory": cuda_peaks(trainee, tokens, targets, runtime)} if runtime.device.type == "cuda" else {})
         )
     units = shard_unit_shapes(local.model)
     local_memory = observe_memory(local, tokens, targets, runtime)
     for rank in local_memory or []:  # the activations' own high-water mark: what the model adds
         rank["activations_peak"] = max(sample["activations"] for sample in rank.pop("timeline"))
-    return {
-        "model": model_name,
+    entry = {
         "parameters": count_parameters(local.model),
         "units": [[list(shape) for shape in unit] for unit in units],
         "parameter_shapes": [list(shape) for shape in parameter_shapes(local.model)],
-        "tokens_per_rank": cfg.batch_size * cfg.seq_len,
-        "seq_len": cfg.seq_len,
         "local": {
             **summarize_times(times["local"]),
             "compute_s": summarize_times(local.compute_s[skip:])["time_s"],
             "optimizer_s": summarize_times(local.optimizer_s[skip:])["time_s"],
             "memory": {"ranks": local_memory},
         },
+    }
+    return entry, rows
+
+
+def measure_preset(
+    model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress, batch_size: int | None = None,
+    point: str = "",
+) -> dict:  # fmt: skip
+    """One point: ``model_name`` at ``batch_size`` sequences per rank (``cfg.batch_size`` by default), labelled
+    ``point``. Timed with every variant resident; then, where the device counts its own peak, each variant
+    measured again alone (:func:`each_alone`), so that its peak holds no other variant's bytes."""
+    batch_size = batch_size or cfg.batch_size
+    tokens, targets = token_batch(model_name, cfg.seq_len, batch_size, runtime)
+    entry, rows = time_and_observe(model_name, cfg, runtime, progress, tokens, targets)
+    # time_and_observe has returned: the timed variants and the calibration copy are garbage (each_alone collects
+    # them), and each variant is built again, alone.
+    peaks = device_peaks(runtime)
+    if peaks is not None:
+        dtype = LOW_PRECISION.get(cfg.precision)
+        alone = each_alone(
+            [row["variant"] for row in rows],
+            lambda name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype),
+            lambda trainee, before: peaks.measure(trainee, tokens, targets, runtime, warmup=1, resident_before=before),
+            before=peaks.allocated,
+            release=peaks.release,
+        )
+        for row in rows:
+            row["cuda_memory"] = alone[row["variant"]]
+    flops = training_flops(model_name, batch_size * cfg.seq_len, cfg.seq_len)
+    peak = cited_peak(runtime, cfg.precision)
+    for row in rows:
+        row |= achieved(flops, row["time_s"], peak)
+    entry["local"] |= {"compute": achieved(flops, entry["local"]["compute_s"], peak)}
+    return {
+        "model": model_name,
+        "point": point,
+        "batch_size": batch_size,
+        "tokens_per_rank": batch_size * cfg.seq_len,
+        "seq_len": cfg.seq_len,
+        "flops_per_step": flops,
+        **entry,
         "variants": rows,
     }
 
@@ -180,17 +320,22 @@ CONFIG = SweepConfig
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(SweepConfig, argv)
-    names, models = cfg.variants.split(","), cfg.models.split(",")
+    names = cfg.variants.split(",")
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         n = runtime.world_size
-        free = available_bytes()
+        cuda = runtime.device.type == "cuda"
+        # the guard against swapping: on a GPU its own free memory, each rank its own; on a CPU the host's, shared
+        free, sharing = (torch.cuda.mem_get_info(runtime.device)[0], 1) if cuda else (available_bytes(), n)
+        points = cfg.points()
         fits = [
-            m for m in models if free is None or n * resident_bytes_per_rank(m, names, n) <= cfg.memory_fraction * free
-        ]
-        skipped = [m for m in models if m not in fits]
+            (m, b, label) for m, b, label in points
+            if free is None or sharing * resident_bytes_per_rank(m, names, n) <= cfg.memory_fraction * free
+        ]  # fmt: skip
+        skipped = list(dict.fromkeys(m for m, _, _ in points if m not in {f[0] for f in fits}))
+        shown = [f"{m} ({b}x{cfg.seq_len}" + (f", {label})" if label else ")") for m, b, label in fits]
         runtime.log(
             f"distlab.bench.sweep: {runtime.describe()}, {torch.get_num_threads()} thread(s) per rank, "
-            f"presets {', '.join(fits)}"
+            f"presets {', '.join(shown)}"
             + (f" (skipped, too large for this machine: {', '.join(skipped)})" if skipped else "")
         )
         collectives = []
@@ -198,20 +343,28 @@ def main(argv: list[str] | None = None) -> None:
             runtime.log("  collectives (the cost model's alpha, beta, gamma):")
             collectives = shard_collectives.sweep(runtime, parse_sizes(cfg.collective_sizes), 2, cfg.collective_repeats)
         progress = Progress(
-            runtime, sum(preset_parameters(m) for m in fits) * (len(names) + 1) * (cfg.warmup + cfg.steps)
+            runtime,
+            sum(preset_parameters(m) * b * cfg.seq_len for m, b, _ in fits)
+            * (len(names) + 1)
+            * (cfg.warmup + cfg.steps),
         )
         presets = []
-        for model_name in fits:
-            presets.append(measure_preset(model_name, cfg, runtime, progress))
+        for model_name, batch_size, label in fits:
+            presets.append(measure_preset(model_name, cfg, runtime, progress, batch_size, label))
             for row in presets[-1]["variants"]:
-                runtime.log(f"  {model_name:<10} {row['variant']:<16} {1e3 * row['time_s']:9.1f} ms")
+                share = f", {100 * row['peak_share']:.0f} % of the cited peak" if row["peak_share"] is not None else ""
+                runtime.log(
+                    f"  {model_name:<10} {batch_size:>5}x{cfg.seq_len:<5} {row['variant']:<16} "
+                    f"{1e3 * row['time_s']:9.1f} ms, {row['tflops']:7.2f} TFLOP/s{share}"
+                )
         metrics = {
             "presets": presets,
             "skipped": skipped,
             "collectives": collectives,
             "threads_per_rank": torch.get_num_threads(),
             "available_bytes": free,
-        }
+            "cited_peak": cited_peak(runtime, cfg.precision),
+        } | ({"cuda_memory_method": CUDA_PEAKS} if cuda else {})
         name = cfg.output.name or f"sweep-{n}x{runtime.device.type}"
         finish_run(runtime, cfg.output.out, name, "sweep", asdict(cfg), metrics)
 

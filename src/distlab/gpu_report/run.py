@@ -24,12 +24,24 @@ from ..errors import DistlabError
 from ..labs.launch import placement_args, torchrun
 from ..measure.hardware import nccl_settings, survey
 from ..plots.gpu_report import save_pictures
+from ..predict import gpu_predictions
 from ..results import environment, read_result
 from ..runtime import Placement, gpu_count, place
 from . import schema, summary
 
 SWEEP_PRESETS = ("gpt-mini", "gpt-small", "gpt-medium")
-"""Presets the GPU sweep tries, smallest first; each runs where all its strategies fit at once in 40 % of a GPU."""
+"""Presets the GPU sweep tries, smallest first; each runs where a batch that makes its step compute-dominated fits
+beside all its strategies built at once (:func:`sweep_sizes`)."""
+SWEEP_SEQ_LEN = 256
+"""Tokens per sequence of every sweep point (gpt-mini's longest); a point grows by its batch."""
+LAUNCH_BOUND_BATCH = 8
+"""The launch-bound point's sequences per rank: the first GPU run's size (8 x 256 tokens), kept as one point."""
+SWEEP_STEPS, SWEEP_WARMUP = 8, 2
+SWEEP_TIMEOUT_S = 300.0
+SWEEP_PREDICTED_S = 120.0
+"""The most a sized sweep may be predicted to take (:func:`distlab.predict.gpu_predictions.sweep_seconds`): well
+under the part's ``SWEEP_TIMEOUT_S``, for the builds, the launch-bound point, and a small model's MFU below the
+cited one."""
 FSDP_OPTIONS = ("fsdp", "explicit_prefetch", "prefetch_depth_2", "offload", "checkpointing")
 
 
@@ -66,10 +78,32 @@ class Machine:
         return cls(count, memory, torch.cuda.is_bf16_supported(including_emulation=False), names)
 
 
-def sized_presets(machine: Machine) -> list[str]:
-    """The GPU sweep's presets: those whose every strategy, built at once, takes under 40 % of one GPU."""
+def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:
+    """Each GPU sweep preset at the batch where its step is compute-dominated on this machine's GPU
+    (:func:`distlab.predict.gpu_predictions.sweep_size`: compute at the GPU's cited peak times its MFU at least three
+    times the step's fixed costs, within its memory); the GPU found by name as the report's predictions find it, or
+    the fallback figures for one the course cites nothing for. Presets that fit at no such batch are left out, and
+    the largest ones while the sweep is predicted to take more than ``SWEEP_PREDICTED_S``."""
     names = list(VARIANTS)
-    return [p for p in SWEEP_PRESETS if resident_bytes_per_rank(p, names, machine.gpus) < 0.4 * machine.memory_bytes]
+    system = gpu_predictions.system_for(machine.names)
+    gpu = system.gpu if system is not None else gpu_predictions.FALLBACK_GPU
+    precision = "bf16" if machine.bf16 else "fp16"
+    sizes = []
+    for preset in SWEEP_PRESETS:
+        resident = resident_bytes_per_rank(preset, names, machine.gpus)
+        size = gpu_predictions.sweep_size(
+            gpu, preset, names, machine.gpus, SWEEP_SEQ_LEN, precision, machine.memory_bytes, resident, system
+        )
+        if size is not None:
+            sizes.append(size)
+    while sizes and gpu_predictions.sweep_seconds(sizes, SWEEP_STEPS + SWEEP_WARMUP) > SWEEP_PREDICTED_S:
+        sizes.pop()
+    return sizes
+
+
+def sized_presets(machine: Machine) -> list[str]:
+    """The GPU sweep's presets: those with a compute-dominated batch that fits (:func:`sweep_sizes`)."""
+    return [size.model for size in sweep_sizes(machine)]
 
 
 def plan(machine: Machine, quick: bool = False) -> list[Part]:
@@ -82,15 +116,23 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     cuda = every.device == "cuda"
     one_gpu = "" if every.ranks >= 2 else "NCCL needs one GPU per rank, and this machine has one"
     precision = "fp16" if cuda and not machine.bf16 else "bf16"
-    presets = ",".join(sized_presets(machine) or ["gpt-mini"]) if cuda else "gpt-tiny"
+    sized = sweep_sizes(machine) if cuda else []
     variants = ",".join(FSDP_OPTIONS + (("bf16",) if machine.bf16 or not cuda else ()))
     host = "--sizes 4MB --repeats 3" if quick else "--sizes 4MB,64MB --repeats 3"
     sizes = "--sizes " + ("64KB:256MB" if cuda else "64KB:1MB" if quick else "64KB:16MB")
     sizes += " --repeats " + ("10" if cuda else "3")
-    sweep = f"--models {presets} --precision {precision} " + (
-        "--batch-size 8 --seq-len 256 --steps 10 --warmup 2 --collective-sizes 1MB:64MB --collective-repeats 5"
-        if cuda
-        else "--steps 3 --warmup 1 --collective-sizes 64KB:1MB --collective-repeats 2"
+    if sized:  # each preset at its compute-dominated batch, after the smallest one at the launch-bound size
+        sweep = (
+            f"--models {','.join(s.model for s in sized)} --batch-sizes {','.join(str(s.batch) for s in sized)} "
+            f"--launch-bound {sized[0].model} --batch-size {LAUNCH_BOUND_BATCH} --seq-len {SWEEP_SEQ_LEN} "
+            f"--steps {SWEEP_STEPS} --warmup {SWEEP_WARMUP} "
+        )
+    elif cuda:  # too small a GPU for any compute-dominated size: the launch-bound point alone
+        sweep = f"--models gpt-mini --batch-size {LAUNCH_BOUND_BATCH} --seq-len {SWEEP_SEQ_LEN} --steps 10 --warmup 2 "
+    else:
+        sweep = "--models gpt-tiny --steps 3 --warmup 1 "
+    sweep += f"--precision {precision} --collective-sizes " + (
+        "1MB:64MB --collective-repeats 5" if cuda else "64KB:1MB --collective-repeats 2"
     )
     options = f"--variants {variants} " + (
         "--model gpt-small --seq-len 256 --steps 10 --warmup 2"
@@ -112,7 +154,7 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
         part("collectives", "all-reduce, reduce-scatter and all-gather over sizes (distlab.bench.shard_collectives)",
              "distlab.bench.shard_collectives", sizes, skip=one_gpu),
         part("sweep", "DDP, ZeRO-1/2/3 and FSDP2 on GPT presets in mixed precision (distlab.bench.sweep)",
-             "distlab.bench.sweep", sweep, timeout_s=300),
+             "distlab.bench.sweep", sweep, timeout_s=SWEEP_TIMEOUT_S),
         part("fsdp-options", "FSDP2's prefetch depth 1 and 2, CPU offload, activation checkpointing "
              "(distlab.bench.fsdp_options)", "distlab.bench.fsdp_options", options),
         part("batch-norm", "BatchNorm, its statistics all-reduced, and SyncBatchNorm under DDP "
@@ -141,7 +183,7 @@ def not_run(machine: Machine) -> list[dict]:
         return [
             {
                 "what": "predictions from cited GPU specifications",
-                "reason": f"the course cites T4, A100 40 GB and H100 SXM specifications, not {machine.names[0]}'s",
+                "reason": f"the course cites T4, A100 40 GB, H100 SXM and H200 SXM specifications, not {machine.names[0]}'s",
             }
         ]
     return []

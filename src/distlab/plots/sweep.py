@@ -13,9 +13,18 @@ from .common import _hardware_title
 SWEEP_COLORS = {"ddp": "C0", "zero1": "C1", "zero2": "C2", "zero3": "C3", "fsdp": "C4", "fsdp-no-reshard": "C5"}
 
 
+def point_label(preset: dict, sized: bool) -> str:
+    """A sweep point's tick: its preset, and where the run sized its points, its batch and its label."""
+    if not sized:
+        return preset["model"]
+    label = f"{preset['model']}\n{preset['batch_size']}x{preset['seq_len']}"
+    return label + ("\nlaunch-bound" if preset.get("point") == "launch-bound" else "")
+
+
 def plot_sweep(records: Sequence[dict]):
     """The sweep, measured: step time, peak memory per rank and bytes sent per rank per step,
-    for every strategy and preset, one column per world size (one result file each)."""
+    for every strategy and preset, one column per world size (one result file each). A point sized for the
+    GPU is labelled with its batch; the launch-bound point says so."""
     records = sorted(records, key=lambda r: r["environment"]["world_size"])
     fig, axes = plt.subplots(3, len(records), figsize=(4.2 * len(records), 8.5), squeeze=False)
     measures = (
@@ -25,6 +34,7 @@ def plot_sweep(records: Sequence[dict]):
     )
     for column, record in zip(axes.T, records):
         presets = record["metrics"]["presets"]
+        sized = any(p.get("point") for p in presets)
         variants = [row["variant"] for row in presets[0]["variants"]]
         width = 0.8 / len(variants)
         for ax, (label, value) in zip(column, measures):
@@ -32,7 +42,7 @@ def plot_sweep(records: Sequence[dict]):
                 heights = [value(next(r for r in p["variants"] if r["variant"] == variant)) for p in presets]
                 xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(presets))]
                 ax.bar(xs, heights, width, color=SWEEP_COLORS.get(variant), label=variant)
-            ax.set_xticks(range(len(presets)), [p["model"] for p in presets], fontsize=8)
+            ax.set_xticks(range(len(presets)), [point_label(p, sized) for p in presets], fontsize=8)
             if any(patch.get_height() > 0 for patch in ax.patches):
                 ax.set_yscale("log")
             else:

@@ -12,7 +12,10 @@
   on GPUs ``steps * alpha + bytes sent / bus bandwidth``). A backend's own algorithm is in its fit:
   gloo's reduce-scatter runs a whole all-reduce underneath, NCCL's is a ring reduce-scatter;
 * overlap: none where the collectives run on the same cores as the compute (gloo on a CPU); on GPUs,
-  the collectives of all but the last bucket or unit may hide behind backward (an upper bound).
+  the collectives of all but the last bucket or unit may hide behind backward (an upper bound);
+* what a strategy costs around the same arithmetic, measured on one rank where nothing is sent: point by
+  point (:func:`strategy_overheads`), or as a law, a cost per collective call and per parameter value
+  (:class:`StrategyCosts`), which holds for presets and batch sizes the one-rank run did not measure.
 
     peak memory = parameters + gradients + optimizer state (:func:`distlab.predict.memory.expected_state_bytes`)
                   + gathered whole parameters + buffers a strategy keeps + activations
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..models import GPT_PRESETS
@@ -324,12 +327,93 @@ def strategy_overheads(one_rank: dict) -> dict[tuple[str, str], float]:
     }
 
 
-def evaluate(result: dict, overheads: dict[tuple[str, str], float] | None = None) -> list[dict]:
+def strategy_calls(variant: str, units: Sequence[Sequence[Shape]], order: Sequence[Shape] | None = None) -> int:
+    """The collective calls one step of ``variant`` makes, counted as on two or more ranks: on one rank a
+    strategy runs the same hooks around the same calls with nothing to send (:func:`collective_calls` lists
+    none there: it costs what is sent)."""
+    return len(collective_calls(variant, units, 2, "nccl", order=order))
+
+
+def _nonnegative_fit(x1: Sequence[float], x2: Sequence[float], ys: Sequence[float], ws: Sequence[float]):
+    """Least-squares ``y = a x1 + b x2`` weighted by ``ws``, with ``a, b >= 0`` (the best of the unconstrained
+    solution, if it is non-negative, and of each rate alone)."""
+
+    def residual(a: float, b: float) -> float:
+        return sum(w * (y - a * u - b * v) ** 2 for u, v, y, w in zip(x1, x2, ys, ws))
+
+    s11 = sum(w * u * u for u, w in zip(x1, ws))
+    s22 = sum(w * v * v for v, w in zip(x2, ws))
+    s12 = sum(w * u * v for u, v, w in zip(x1, x2, ws))
+    s1y = sum(w * u * y for u, y, w in zip(x1, ys, ws))
+    s2y = sum(w * v * y for v, y, w in zip(x2, ys, ws))
+    candidates = [(0.0, 0.0), (max(0.0, s1y / s11) if s11 else 0.0, 0.0), (0.0, max(0.0, s2y / s22) if s22 else 0.0)]
+    det = s11 * s22 - s12 * s12
+    if det > 0:
+        a, b = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
+        if a >= 0 and b >= 0:
+            candidates.append((a, b))
+    return min(candidates, key=lambda ab: residual(*ab))
+
+
+def _shapes(preset: dict) -> tuple[list[Shape], list[Shape] | None]:
+    units = [[tuple(s) for s in unit] for unit in preset["units"]]
+    order = [tuple(s) for s in preset["parameter_shapes"]] if "parameter_shapes" in preset else None
+    return units, order
+
+
+@dataclass(frozen=True)
+class StrategyCosts:
+    """What each strategy costs around the bare model's arithmetic, as a law: a cost per collective call it
+    makes (hooks, Python and dispatch around each unit or bucket, the launches of its copies and of the call
+    itself, however little it sends) and a cost per parameter value (copies into and out of flat buffers,
+    casts). Neither grows with a step's tokens: on a GPU they are the fixed part of a strategy's step.
+
+    :func:`strategy_overheads` measures the same cost point by point; this fits the two rates of each
+    strategy across a one-rank sweep's presets (:meth:`fit`), so that it predicts presets and batch sizes
+    the sweep did not run, and so that its misses say whether the structure holds. On one H200 the
+    per-call rate is what separates the strategies (FSDP2 about a millisecond per call); on a CPU the
+    per-value rate (copies there run at a few GB/s)."""
+
+    per_call_s: Mapping[str, float]
+    per_value_s: Mapping[str, float]
+
+    def overhead_s(self, variant: str, calls: int, values: int) -> float:
+        return self.per_call_s.get(variant, 0.0) * calls + self.per_value_s.get(variant, 0.0) * values
+
+    def for_preset(self, variant: str, preset: dict) -> float:
+        """The cost for one preset of a sweep record (its units, registration order and parameter count)."""
+        units, order = _shapes(preset)
+        return self.overhead_s(variant, strategy_calls(variant, units, order), preset["parameters"])
+
+    @classmethod
+    def fit(cls, one_rank: dict) -> StrategyCosts:
+        """Per strategy, ``per_call * calls + per_value * values`` (both at least 0) fitted to its one-rank steps
+        less the bare model's, over every preset and batch size of the run, each point weighted by the square of
+        one over its measured step: the fit minimises the relative errors of the steps it predicts, and a point
+        whose strategy costs nothing measurable weighs no more than any other."""
+        if one_rank["environment"]["world_size"] != 1:
+            raise ValueError("strategy costs come from a one-rank sweep, where nothing communicates")
+        points: dict[str, list[tuple[int, int, float, float]]] = {}
+        for preset in one_rank["metrics"]["presets"]:
+            units, order = _shapes(preset)
+            for row in preset["variants"]:
+                extra = row["time_s"] - preset["local"]["time_s"]
+                calls = strategy_calls(row["variant"], units, order)
+                points.setdefault(row["variant"], []).append((calls, preset["parameters"], extra, row["time_s"]))
+        per_call, per_value = {}, {}
+        for variant, rows in points.items():
+            per_call[variant], per_value[variant] = _nonnegative_fit(
+                [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [1 / r[3] ** 2 for r in rows]
+            )
+        return cls(per_call, per_value)
+
+
+def evaluate(result: dict, overheads: dict[tuple[str, str], float] | StrategyCosts | None = None) -> list[dict]:
     """Every point of one sweep result (one world size): the model's step time and peak memory next
     to the measured ones. The model's inputs come from the same run's calibration (the steps with no
     communication, the collectives' timings, the activations' high-water mark), never from the
-    strategies' own measurements; ``overheads`` (:func:`strategy_overheads`, from another run) adds each
-    strategy's cost around the arithmetic."""
+    strategies' own measurements; ``overheads`` adds each strategy's cost around the arithmetic: a table
+    (:func:`strategy_overheads`, from another run) or a law (:class:`StrategyCosts`)."""
     metrics, n = result["metrics"], result["environment"]["world_size"]
     overheads = overheads or {}
     backend = result["environment"].get("backend", "gloo")
@@ -343,15 +427,21 @@ def evaluate(result: dict, overheads: dict[tuple[str, str], float] | None = None
         activations = local["activations_peak"]
         backward_extra = local["peak"] - local["parameters"] - local["optimizer_state"]
         for row in preset["variants"]:
+            if isinstance(overheads, StrategyCosts):
+                extra = overheads.for_preset(row["variant"], preset)
+            else:
+                extra = overheads.get((preset["model"], row["variant"]), 0.0)
             step = predict_step_s(
                 row["variant"], preset["model"], preset["tokens_per_rank"], preset["seq_len"], n, units, compute,
-                collectives, backend, order=order, overhead_s=overheads.get((preset["model"], row["variant"]), 0.0),
+                collectives, backend, order=order, overhead_s=extra,
             )  # fmt: skip
             memory = predict_peak_bytes(row["variant"], n, units, activations, backward_extra)
             measured_peak = max(rank["peak"] for rank in row["memory"]["ranks"])
             rows.append(
                 {
                     "model": preset["model"],
+                    "tokens_per_rank": preset["tokens_per_rank"],
+                    "point": preset.get("point", ""),
                     "world_size": n,
                     "variant": row["variant"],
                     "measured_s": row["time_s"],
@@ -363,4 +453,21 @@ def evaluate(result: dict, overheads: dict[tuple[str, str], float] | None = None
                     "parts_s": {k: v for k, v in step.items() if k.endswith("_s") and k != "total_s"},
                 }
             )
+    return rows
+
+
+def one_rank_calibration(result: dict) -> list[dict]:
+    """Every point of a one-rank sweep against the model calibrated on that same run, without and with the
+    strategy law: ``before`` is compute + optimizer alone (on one rank nothing is sent, so the model predicts
+    the same step for every strategy), ``after`` adds :class:`StrategyCosts` fitted to the run's strategies.
+    Two rates per strategy against every preset of the run: where the structure is wrong, the fit misses."""
+    law = StrategyCosts.fit(result)
+    rows = []
+    for before, after in zip(evaluate(result), evaluate(result, law), strict=True):
+        rows.append(
+            {k: before[k] for k in ("model", "tokens_per_rank", "point", "variant", "measured_s")}
+            | {"before_s": before["predicted_s"], "before_error": before["time_error"]}
+            | {"after_s": after["predicted_s"], "after_error": after["time_error"]}
+            | {"per_call_s": law.per_call_s[after["variant"]], "per_value_s": law.per_value_s[after["variant"]]}
+        )
     return rows

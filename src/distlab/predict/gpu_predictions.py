@@ -18,23 +18,32 @@ does it by default:
   Adam's moments, 20 bytes per parameter; FSDP2: fp32 shards, 16 bytes per parameter over N, and its
   gathered units in ``param_dtype``), plus activations by Korthikanti et al.'s count for a transformer
   layer (``ACTIVATIONS``) and the logits.
+
+And the size a GPU sweep needs for its step to be compute-dominated (:func:`sweep_batch`): tokens per rank
+whose compute, at the GPU's cited peak times its MFU, is several times the step's fixed costs
+(:func:`fixed_s`: a step's launches, the optimizer's, the strategy's per call and per value, the collectives'
+latencies), within the GPU's memory. Those fixed costs are host-side and were *measured*, on the course's one
+H200 run (``HOST_RUN``), not cited: they stand in for every GPU until a run measures its own.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cache
 
 from ..models import GPT_PRESETS, build_model
 from .costmodel import (
     RING_FACTOR,
     CollectiveModel,
+    StrategyCosts,
     collective_calls,
     predict_peak_bytes,
     stepped_values,
+    strategy_calls,
     training_flops,
 )
-from .gpu_specs import SYSTEMS, System
+from .gpu_specs import A100_40GB, GPU, KAGGLE_T4X2, SYSTEMS, System
 from .memory import parameter_shapes, shard_unit_shapes
 
 ACTIVATIONS = (
@@ -127,3 +136,176 @@ def table(models: tuple[str, ...], tokens: int = 2048, seq_len: int = 1024) -> l
         for model in models
         for variant in VARIANTS
     ]
+
+
+# What a GPU sweep must be sized for: the step's fixed costs, measured once, against its compute, cited.
+
+HOST_RUN = (
+    "MEASURED, not cited: the course's first GPU run, one NVIDIA H200 SXM (torch 2.11, CUDA 13.0, bf16 autocast, "
+    "one rank, 8 x 256 tokens per step; 16 Xeon cores of a VM), book/results/gpu/nvidia-h200-1x-20261127-055504/"
+    "sweep.json, fitted by distlab.predict.costmodel.ComputeModel.fit (launches, optimizer) and StrategyCosts.fit "
+    "(each strategy's cost per call and per value). These are the host's and the framework's costs, not the "
+    "GPU's: taken for every GPU until a run on it measures its own (a slower host, such as Kaggle's, costs more)."
+)
+STEP_FIXED_S = 10.1e-3
+"""Forward + backward's fixed cost per step (``ComputeModel.overhead_s``): kernel launches and Python (``HOST_RUN``)."""
+OPTIMIZER_FIXED_S = 1.82e-3
+"""Adam's fixed cost per step (``ComputeModel.optimizer_overhead_s``), ``HOST_RUN``."""
+HOST_COSTS = StrategyCosts(
+    per_call_s={"ddp": 0.210e-3, "zero1": 0.0646e-3, "zero2": 0.0659e-3, "zero3": 0.236e-3, "fsdp": 1.10e-3,
+                "fsdp-no-reshard": 1.30e-3},
+    per_value_s={"ddp": 0.0, "zero1": 0.0, "zero2": 53e-12, "zero3": 13e-12, "fsdp": 0.0, "fsdp-no-reshard": 6.4e-12},
+)  # fmt: skip
+"""Each strategy's cost around the bare model's arithmetic (:class:`~distlab.predict.costmodel.StrategyCosts`),
+``HOST_RUN``: FSDP2 about 1.1 ms per collective call on one rank, five times the course's ZeRO-3."""
+FALLBACK_GPU = A100_40GB
+"""ASSUMPTION for a GPU the course cites nothing for: the A100 40 GB's peaks and MFU, the middle of the cited
+GPUs (T4: 14 TFLOP/s achieved; A100: 134; H100 and H200: 346). Only a sweep's size rests on it, never a
+prediction the book shows: a faster GPU then runs a step less compute-dominated than planned, a slower one longer."""
+FALLBACK_NETWORK = KAGGLE_T4X2
+"""Collective latencies for a machine the course cites nothing for: NCCL's PCI constants, the larger."""
+ACTIVATION_MARGIN = 1.25
+"""The activations a step holds over Korthikanti's count (:func:`activation_bytes`): on the H200 run, at 8 x 256
+tokens in bf16, the course's tracker counted 4 % (gpt-mini), 20 % (gpt-small) and 7 % (gpt-medium) more
+(autocast keeps both dtypes of some tensors)."""
+MEMORY_FRACTION = 0.7
+"""The share of a GPU a sized sweep may plan to allocate: the allocator's fragmentation and CUDA's context
+need the rest (the H200 run reserved 14 % more than it allocated)."""
+LOGITS_LIMIT = 2**31 - 1
+"""The most logits (tokens x vocabulary) a sized step may make: CUDA's cross-entropy kernels have failed past 2^31
+elements (pytorch/pytorch#85786, open: 'fails in forward when n is greater than 42730' for a 50257-word vocabulary;
+#111484, #190139: 32-bit offsets in its kernels), so a sweep stays under it."""
+MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3"), "H200x1": ("H200",)}
+"""What a GPU's name must contain for a cited system to describe it (``gpu_report.summary.system_for``'s rule,
+here where a benchmark may import it)."""
+EXCLUDES = {"H200x1": ("NVL",)}
+
+
+def system_for(gpus: list[str]) -> System | None:
+    """The course's cited system whose GPU these are (by the first one's name), or None."""
+    if not gpus:
+        return None
+    name = gpus[0].replace(" ", "")
+    return next(
+        (
+            SYSTEMS[key]
+            for key, parts in MATCHES.items()
+            if all(p in name for p in parts) and not any(p in name for p in EXCLUDES.get(key, ()))
+        ),
+        None,
+    )
+
+
+def gpu_for(gpus: list[str]) -> GPU | None:
+    """The cited GPU of these names, or None."""
+    system = system_for(gpus)
+    return None if system is None else system.gpu
+
+
+def compute_s(gpu: GPU, model: str, tokens: int, seq_len: int, precision: str) -> float:
+    """Forward + backward of ``tokens`` at the GPU's cited dense peak in ``precision`` times its MFU."""
+    return training_flops(model, tokens, seq_len) / (gpu.peak_flops(precision) * gpu.mfu)
+
+
+def fixed_s(model: str, variant: str, gpus: int, system: System | None = None) -> float:
+    """What one step of ``variant`` costs whatever its tokens: the launches of forward and backward, the optimizer's
+    fixed cost, the strategy's cost per call and per value (all ``HOST_RUN``), and on more than one GPU each
+    collective's latency (the system's NCCL constants, or ``FALLBACK_NETWORK``'s)."""
+    units, order = units_of(model), order_of(model)
+    parameters = sum(math.prod(s) for unit in units for s in unit)
+    strategy = HOST_COSTS.overhead_s(variant, strategy_calls(variant, units, order), parameters)
+    network = system or FALLBACK_NETWORK
+    latency = sum(
+        CollectiveModel.nccl(collective, gpus, 1.0, network.alpha_step_s, network.alpha_base_s).alpha_s
+        for collective, _, _ in collective_calls(variant, units, gpus, "nccl", order=order)
+    )
+    return STEP_FIXED_S + OPTIMIZER_FIXED_S + strategy + latency
+
+
+def sweep_step_s(
+    gpu: GPU, model: str, variant: str, gpus: int, tokens: int, seq_len: int, precision: str, system: System | None
+) -> float:
+    """A rough step, for a sweep's time budget: compute + fixed costs + Adam at the memory bandwidth + every
+    collective's bytes at the system's bus bandwidth, nothing hidden."""
+    units = units_of(model)
+    parameters = sum(math.prod(s) for unit in units for s in unit)
+    optimizer = stepped_values(variant, parameters, gpus, units) * ADAM_BYTES_PER_VALUE / gpu.memory_bandwidth
+    network = system or FALLBACK_NETWORK
+    sent = sum(
+        size * RING_FACTOR[collective](gpus)
+        for collective, _, size in collective_calls(variant, units, gpus, "nccl", order=order_of(model))
+    )
+    return (
+        compute_s(gpu, model, tokens, seq_len, precision)
+        + fixed_s(model, variant, gpus, system)
+        + optimizer
+        + (sent / network.gather_busbw)
+    )
+
+
+@dataclass(frozen=True)
+class SweepSize:
+    """One preset's size in a GPU sweep, and what the model predicts there: the compute of a step, each variant's
+    fixed costs (:func:`fixed_s`), the variants whose step is compute-dominated at this size (compute at least
+    ``margin`` times their fixed costs), the bytes a rank is planned to hold, and a rough step per variant."""
+
+    model: str
+    batch: int
+    seq_len: int
+    compute_s: float
+    fixed_s: dict[str, float]
+    dominated: tuple[str, ...]
+    held_bytes: int
+    step_s: dict[str, float]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+def sweep_size(
+    gpu: GPU,
+    model: str,
+    variants: tuple[str, ...] | list[str],
+    gpus: int,
+    seq_len: int,
+    precision: str,
+    memory_bytes: int,
+    resident_bytes: int,
+    system: System | None = None,
+    margin: float = 3.0,
+) -> SweepSize | None:
+    """The batch (sequences of ``seq_len`` per rank, a multiple of 8) at which ``model``'s step is compute-dominated:
+    the fewest sequences whose compute (:func:`compute_s`) is ``margin`` times the largest fixed cost among
+    ``variants`` (:func:`fixed_s`), or, where that does not fit, the most that fit. What a rank holds must stay
+    under ``MEMORY_FRACTION`` of ``memory_bytes``: ``resident_bytes`` (every variant built at once), one step's
+    whole fp32 gradients and its activations (:func:`activation_bytes` times ``ACTIVATION_MARGIN``); and its logits
+    under ``LOGITS_LIMIT``. None where not even the smallest fixed cost can be dominated within those limits."""
+    fixed = {variant: fixed_s(model, variant, gpus, system) for variant in variants}
+    per_sequence = compute_s(gpu, model, seq_len, seq_len, precision)
+    needed = {variant: 8 * math.ceil(margin * cost / per_sequence / 8) for variant, cost in fixed.items()}
+    parameters = sum(math.prod(s) for unit in units_of(model) for s in unit)
+    room = MEMORY_FRACTION * memory_bytes - resident_bytes - 4 * parameters
+    per_held_sequence = ACTIVATION_MARGIN * activation_bytes(model, 1024 * seq_len, seq_len) / 1024
+    fitting = 8 * int(room / per_held_sequence / 8) if room > 0 else 0
+    fitting = min(fitting, 8 * (LOGITS_LIMIT // (seq_len * GPT_PRESETS[model].vocab_size) // 8))
+    batch = min(max(needed.values()), fitting)
+    if batch < min(needed.values()):
+        return None
+    compute = compute_s(gpu, model, batch * seq_len, seq_len, precision)
+    held = resident_bytes + 4 * parameters + ACTIVATION_MARGIN * activation_bytes(model, batch * seq_len, seq_len)
+    return SweepSize(
+        model, batch, seq_len, compute, fixed, tuple(v for v in variants if compute >= margin * fixed[v]), int(held),
+        {v: sweep_step_s(gpu, model, v, gpus, batch * seq_len, seq_len, precision, system) for v in variants},
+    )  # fmt: skip
+
+
+def sweep_seconds(sizes: list[SweepSize], steps: int) -> float:
+    """A sized sweep's predicted run time, builds left out: per preset, every variant and the calibration copy
+    for ``steps`` (warm-up included), then about four more steps of each variant (memory, traffic, and its CUDA
+    peak alone after a warm-up step)."""
+    total = 0.0
+    for size in sizes:
+        slowest = max(size.step_s.values())
+        total += (len(size.step_s) + 1) * steps * slowest + 4 * sum(size.step_s.values())
+    return total
