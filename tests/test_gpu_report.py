@@ -73,7 +73,7 @@ def test_a_t4_pair_runs_fp16_and_one_gpu_skips_what_needs_two_ranks():
     one = {part.name: part for part in plan(ONE_H100)}
     assert "one GPU per rank" in one["collectives"].skip and "two ranks" in one["batch-norm"].skip
     assert one["sweep"].nproc == 1 and "bf16" in one["sweep"].args
-    assert sized_presets(T4_PAIR) == ["gpt-mini"]  # gpt-small's six strategies, built at once, take over 40 %
+    assert sized_presets(T4_PAIR) == ["gpt-mini"]  # gpt-small's six strategies and a batch: over 70 % of a T4
     assert sized_presets(ONE_H100) == ["gpt-mini", "gpt-small"]
     assert sized_presets(Machine(1, 140 * GIB, True, ["NVIDIA H200"]))[-1] == "gpt-medium"
 
@@ -135,7 +135,7 @@ def test_a_report_with_a_failed_part_exits_non_zero_says_why_and_is_written_mark
 @pytest.mark.parametrize(
     "name, system",
     [("Tesla T4", "T4x2"), ("NVIDIA A100-SXM4-40GB", "A100x2"), ("NVIDIA H100 80GB HBM3", "H100x8"),
-     ("NVIDIA A100-SXM4-80GB", None), ("NVIDIA H200", None), ("NVIDIA H100 PCIe", None)],
+     ("NVIDIA A100-SXM4-80GB", None), ("NVIDIA H200", "H200x1"), ("NVIDIA H200 NVL", None), ("NVIDIA H100 PCIe", None)],
 )  # fmt: skip
 def test_a_gpu_is_predicted_only_with_its_own_cited_figures(name, system):
     found = system_for([name])
@@ -222,3 +222,28 @@ def test_a_labs_results_become_a_checked_report_and_nothing_to_report_says_so(cp
     folder = report_from_results(results, lab="lab_fsdp", out=tmp_path / "reports")
     report = schema.check(folder)
     assert report["parts"][0]["files"] == ["gpt-tiny-fsdp.json"] and "CPU" in capsys.readouterr().out
+
+
+def test_a_report_run_with_other_code_is_shown_with_what_ran_and_what_failed(tmp_path, capsys):
+    """A report whose provenance file says what code ran is read with its failed parts, each named with the
+    provenance's reason, below what ran; one without the provenance's three statements is refused."""
+    from distlab.gpu_report.__main__ import main
+
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    parts = [Part("boom", "a rank that raises", str(script), nproc=1)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run, "plan", lambda machine, quick=False: parts)
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "reports"), "--budget-s", "300"])
+    capsys.readouterr()
+    (folder,) = (tmp_path / "reports").iterdir()
+    provenance = {"code": "commit abc", "changes": ["one line changed"], "says": "Kept until replaced."}
+    (folder / schema.PROVENANCE_FILE).write_text(json.dumps(provenance | {"failed": {"boom": "fixed since"}}))
+    (report,) = schema.read_reports(tmp_path / "reports")
+    page = schema.report_markdown(report)
+    assert "*Code that ran*: commit abc, with one line changed. Kept until replaced." in page
+    assert "Failed: boom (fixed since)" in page
+    (folder / schema.PROVENANCE_FILE).write_text(json.dumps({"code": "commit abc"}))
+    with pytest.raises(ValueError, match="no changes, says"):
+        schema.read_reports(tmp_path / "reports")

@@ -46,8 +46,14 @@ def test_book_toc_and_labs_are_wired():
     assert (ROOT / "book" / "labs").resolve() == (ROOT / "notebooks").resolve()
 
 
+def _committed_result_files() -> list[Path]:
+    """Every JSON file a run wrote under book/results: not a GPU report's provenance, which people write to say
+    what code ran."""
+    return [p for p in sorted((ROOT / "book" / "results").rglob("*.json")) if p.name != "provenance.json"]
+
+
 def test_committed_results_carry_their_environment():
-    for path in sorted((ROOT / "book" / "results").rglob("*.json")):
+    for path in _committed_result_files():
         env = json.loads(path.read_text())["environment"]
         for key in ("torch", "backend", "world_size", "date", "command"):
             assert key in env, f"{path} lacks environment[{key!r}]"
@@ -57,7 +63,7 @@ def test_committed_cpu_results_were_measured_with_the_pinned_torch():
     """The book is built with constraints.txt's torch: the CPU results it plots were measured with the same one
     (``scripts/reproduce_results.sh`` re-measures them after the pin moves)."""
     pinned = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.MULTILINE).group(1)
-    for path in sorted((ROOT / "book" / "results").rglob("*.json")):
+    for path in _committed_result_files():
         env = json.loads(path.read_text())["environment"]
         if env.get("device") == "cpu":
             assert env["torch"].split("+")[0] == pinned, f"{path} was measured with torch {env['torch']}, not {pinned}"

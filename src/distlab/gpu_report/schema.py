@@ -18,6 +18,10 @@ from ..results import SCHEMA as RESULT_SCHEMA
 
 REPORT_SCHEMA = "distlab.gpu_report/1"
 REPORT_FILE = "report.json"
+PROVENANCE_FILE = "provenance.json"
+"""Beside a report measured with code other than a commit of the course as it is (an earlier commit with local
+changes, say): what ran, in words the page shows. Such a report is shown with its failed parts, each labelled."""
+PROVENANCE_KEYS = ("code", "changes", "says")
 STATUSES = ("ran", "skipped", "failed")
 REPORT_STATUSES = ("complete", "failed")
 """A report's own status: ``failed`` when any of its parts failed. It is written all the same, so whoever ran it
@@ -142,10 +146,27 @@ def check(folder: str | Path, *, failed_ok: bool = False) -> dict:
 
 
 def read_reports(root: str | Path) -> list[dict]:
-    """Every report folder under ``root``, checked, oldest first; none if ``root`` does not exist."""
+    """Every report folder under ``root``, checked, oldest first; none if ``root`` does not exist. A report
+    with a :data:`PROVENANCE_FILE` carries it as ``report["provenance"]``, and may hold failed parts."""
     root = Path(root)
     folders = sorted(p.parent for p in root.glob(f"*/{REPORT_FILE}")) if root.is_dir() else []
-    return sorted((check(folder) for folder in folders), key=lambda report: report["environment"]["date"])
+    reports = []
+    for folder in folders:
+        provenance = _provenance(folder)
+        report = check(folder, failed_ok=provenance is not None)
+        reports.append(report | ({"provenance": provenance} if provenance is not None else {}))
+    return sorted(reports, key=lambda report: report["environment"]["date"])
+
+
+def _provenance(folder: Path) -> dict | None:
+    path = folder / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    provenance = _load(path)
+    missing = [key for key in PROVENANCE_KEYS if not provenance.get(key)]
+    if missing:
+        raise ValueError(f"{folder.name}/{PROVENANCE_FILE}: no {', '.join(missing)}")
+    return provenance
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -185,17 +206,22 @@ def report_markdown(report: dict) -> str:
     copies, and what did not run and why. Every number is labelled with the hardware it was measured on."""
     summary, where = report.get("summary", {}), label(report)
     blocks = [f"**Measured on {where}** ({report['environment']['date'][:10]})"]
+    provenance = report.get("provenance")
+    if provenance:
+        changes = "; ".join(provenance["changes"])
+        blocks.append(f"*Code that ran*: {provenance['code']}, with {changes}. {provenance['says']}")
     sweep = summary.get("sweep", [])
     if sweep:
         rows = [
             [
-                r["model"],
+                _point(r),
                 r["variant"],
                 r["ranks"],
                 f"{1e3 * r['measured_s']:.1f}",
+                _rate(r),
                 f"{1e3 * r['model_s']:.1f}",
                 f"{100 * r['error']:+.0f} %",
-                _range(r.get("predicted_s")),
+                _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
                 _mib(r.get("counted_peak")),
                 _mib(r.get("cuda_max_allocated")),
                 _mib(r.get("cuda_max_reserved")),
@@ -205,10 +231,11 @@ def report_markdown(report: dict) -> str:
         blocks.append(
             _table(
                 [
-                    "preset",
+                    "preset, tokens per rank",
                     "strategy",
                     "ranks",
                     "measured ms",
+                    "achieved TFLOP/s (share of the cited peak)",
                     "model ms (its own calibration)",
                     "error",
                     "PREDICTED ms from cited specs",
@@ -270,7 +297,11 @@ def report_markdown(report: dict) -> str:
     if batch_norm:
         rows = [[name, _difference(row)] for name, row in batch_norm.items()]
         blocks.append(_table(["under DDP", "against one process on the whole batch"], rows))
-    skipped = [part for part in report["parts"] if part["status"] != "ran"] + report.get("not_run", [])
+    failed = failed_parts(report)
+    if failed:
+        why = (report.get("provenance") or {}).get("failed", {})
+        blocks.append("Failed: " + "; ".join(f"{p['name']} ({why.get(p['name']) or p.get('reason')})" for p in failed))
+    skipped = [part for part in report["parts"] if part["status"] == "skipped"] + report.get("not_run", [])
     if skipped:
         blocks.append("Not run: " + "; ".join(f"{p.get('name') or p.get('what')} ({p['reason']})" for p in skipped))
     return "\n\n".join(blocks)
@@ -283,6 +314,18 @@ def _difference(row: dict) -> str:
     return (
         f"{same}: weights {row['weights_max_abs_diff']:.1e}, running statistics {row['running_stats_max_abs_diff']:.1e}"
     )
+
+
+def _point(row: dict) -> str:
+    tokens = f", {row['tokens_per_rank']:,}" if row.get("tokens_per_rank") else ""
+    return f"{row['model']}{tokens}" + (" (launch-bound)" if row.get("point") == "launch-bound" else "")
+
+
+def _rate(row: dict) -> str:
+    if row.get("tflops") is None:
+        return "not recorded"
+    share = "" if row.get("peak_share") is None else f" ({100 * row['peak_share']:.1f} %)"
+    return f"{row['tflops']:.1f}{share}"
 
 
 def _range(values: list[float] | None) -> str:

@@ -14,9 +14,11 @@ from typing import Any
 from ..predict import costmodel, gpu_predictions
 from ..predict.gpu_specs import SYSTEMS, System
 
-MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3")}
+MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3"), "H200x1": ("H200",)}
 """What a GPU's name must contain for the course's cited system to describe it: an A100 80 GB or an H100 PCIe
 differs from the cited one, and an H200 is not an H100."""
+EXCLUDES = {"H200x1": ("NVL",)}
+"""What it must not contain: an H200 NVL is a 600 W PCIe card with other peaks than the cited H200 SXM."""
 
 
 def system_for(gpus: list[str]) -> System | None:
@@ -24,7 +26,14 @@ def system_for(gpus: list[str]) -> System | None:
     if not gpus:
         return None
     name = gpus[0].replace(" ", "")
-    return next((SYSTEMS[key] for key, parts in MATCHES.items() if all(p in name for p in parts)), None)
+    return next(
+        (
+            SYSTEMS[key]
+            for key, parts in MATCHES.items()
+            if all(p in name for p in parts) and not any(p in name for p in EXCLUDES.get(key, ()))
+        ),
+        None,
+    )
 
 
 def collectives(record: dict, system: System | None) -> list[dict]:
@@ -64,11 +73,15 @@ def sweep(record: dict, system: System | None) -> list[dict]:
     no-overlap end), the cited-specification range where the course has this GPU, the bytes the course
     counts at the peak, and CUDA's own counters."""
     n = record["environment"]["world_size"]
-    by_point = {(r["model"], r["variant"]): r for r in costmodel.evaluate(record)}
+    # a preset can run at two sizes (launch-bound, then sized): a point is its preset, its size and its strategy
+    # on one rank nothing is sent: what the arithmetic misses is each strategy's own cost, fitted on the same run
+    overheads = costmodel.StrategyCosts.fit(record) if n == 1 else None
+    evaluated = costmodel.evaluate(record, overheads)
+    by_point = {(r["model"], r["tokens_per_rank"], r["variant"]): r for r in evaluated}
     out = []
     for preset in record["metrics"]["presets"]:
         for row in preset["variants"]:
-            point = by_point[preset["model"], row["variant"]]
+            point = by_point[preset["model"], preset["tokens_per_rank"], row["variant"]]
             cuda = row.get("cuda_memory") or []
             predicted = None
             if system is not None and row["variant"] in gpu_predictions.VARIANTS:
@@ -79,18 +92,35 @@ def sweep(record: dict, system: System | None) -> list[dict]:
             out.append(
                 {
                     "model": preset["model"],
+                    "point": preset.get("point", ""),
+                    "tokens_per_rank": preset["tokens_per_rank"],
+                    **_achieved(record, preset, row, system),
                     "variant": row["variant"],
                     "ranks": n,
                     "measured_s": row["time_s"],
                     "model_s": point["predicted_s"],
                     "error": point["time_error"],
                     "predicted_s": predicted,
+                    "unpredicted": None
+                    if predicted or system is None
+                    else "the predictions model DDP and FSDP2, not this strategy",
                     "counted_peak": point["measured_peak"],
                     "cuda_max_allocated": max((r["max_allocated"] for r in cuda), default=None),
                     "cuda_max_reserved": max((r["max_reserved"] for r in cuda), default=None),
                 }
             )
     return out
+
+
+def _achieved(record: dict, preset: dict, row: dict, system: System | None) -> dict:
+    """TFLOP/s a point achieved and its share of the GPU's cited dense peak: as the sweep recorded them, or, for a
+    sweep written before it did, the course's FLOP count of the step over the measured time."""
+    if row.get("tflops") is not None:
+        return {"tflops": row["tflops"], "peak_share": row.get("peak_share")}
+    rate = costmodel.training_flops(preset["model"], preset["tokens_per_rank"], preset["seq_len"]) / row["time_s"]
+    precision = (record.get("config") or {}).get("precision")
+    peak = system.gpu.peak_flops(precision) if system is not None and precision in ("bf16", "fp16") else None
+    return {"tflops": rate / 1e12, "peak_share": rate / peak if peak else None}
 
 
 def fsdp_options(record: dict, system: System | None) -> list[dict]:
@@ -118,3 +148,18 @@ SUMMARIES = {"collectives": collectives, "copies": copies, "sweep": sweep, "fsdp
 SUMMARIES |= {"batch_norm": batch_norm}
 """A part's name (``-`` as ``_``) -> its summary: each takes the part's result record and the course's cited system
 for this GPU (None where there is none; only the collectives and the sweep compare with it)."""
+
+
+def of_report(report: dict) -> dict:
+    """A checked report's at-a-glance rows computed again from its result files by the course's models as they
+    are now: a report written by older code is compared with today's cost model and cited systems, not with the
+    ones it was written with."""
+    from ..results import read_result
+
+    system = system_for(report["environment"].get("gpus") or [])
+    out = {}
+    for part in report["parts"]:
+        key = part["name"].replace("-", "_")
+        if part["status"] == "ran" and key in SUMMARIES:
+            out[key] = SUMMARIES[key](read_result(report["folder"] / part["files"][0]), system)
+    return out
