@@ -71,14 +71,27 @@ def test_open_in_kaggle_opens_a_notebook_of_this_repository():
         assert path == f"notebooks/{page.stem}.ipynb" and (BOOK.parent / path).is_file(), links[0]
 
 
-def test_labs_are_shown_unrun_and_say_so_while_chapters_show_their_outputs():
-    """The build does not execute the labs (_config.yml's exclude_patterns): each lab page says it is shown
-    unrun and has no output, and every chapter with code cells still shows what they printed or drew."""
+def test_labs_are_shown_unrun_or_as_played_and_say_which_while_chapters_show_their_outputs():
+    """The build does not execute the labs (_config.yml's exclude_patterns): a lab page with a played copy
+    committed under book/results/labs/ shows that copy's outputs under its label (GPUs, date, commit); every
+    other lab page says it is shown unrun and has no output; every chapter with code cells still shows what
+    they printed or drew."""
+    import importlib.util
+    from html import escape
+
+    spec = importlib.util.spec_from_file_location("distlab_play_labs", BOOK.parent / "scripts" / "play_labs.py")
+    play = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(play)
     for page in _pages():
         html = page.read_text(errors="replace")
         cells, outputs = html.count('<div class="cell '), html.count('<div class="cell_output')
         if page.parent.name == "labs":
-            assert "This lab is shown unrun" in html and outputs == 0, page.name
+            played = play.choose(BOOK / "results" / "labs", page.stem)
+            if played is None:
+                assert "This lab is shown unrun" in html and outputs == 0 and "distlab-played" not in html, page.name
+            else:
+                assert escape(play.label(play.provenance(play.read(played)))) in html and outputs > 0, page.name
+                assert "This lab is shown unrun" not in html, page.name
         elif cells:
             assert "This lab is shown unrun" not in html and outputs > 0, page.name
 
