@@ -183,7 +183,8 @@ def not_run(machine: Machine) -> list[dict]:
         return [
             {
                 "what": "predictions from cited GPU specifications",
-                "reason": f"the course cites T4, A100 40 GB, H100 SXM and H200 SXM specifications, not {machine.names[0]}'s",
+                "reason": "the course cites T4, A100 40 GB, H100 SXM and H200 SXM specifications, "
+                f"not {machine.names[0]}'s",
             }
         ]
     return []

@@ -101,9 +101,7 @@ def sweep(record: dict, system: System | None) -> list[dict]:
                     "model_s": point["predicted_s"],
                     "error": point["time_error"],
                     "predicted_s": predicted,
-                    "unpredicted": None
-                    if predicted or system is None
-                    else "the predictions model DDP and FSDP2, not this strategy",
+                    "unpredicted": None if predicted or system is None else "DDP and FSDP2 only",
                     "counted_peak": point["measured_peak"],
                     "cuda_max_allocated": max((r["max_allocated"] for r in cuda), default=None),
                     "cuda_max_reserved": max((r["max_reserved"] for r in cuda), default=None),
