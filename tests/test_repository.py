@@ -180,3 +180,18 @@ def test_committed_results_are_found_from_a_checkouts_root_when_distlab_is_insta
     )  # fmt: skip
     assert found.returncode == 0, found.stderr[-2000:]
     assert found.stdout.strip() == str(ROOT / "book" / "results" / "zero")
+
+
+def test_every_claim_reads_as_written():
+    """YAML reads an unquoted " #" as the start of a comment: a claim's citation would end there, silently."""
+    import yaml
+
+    path = ROOT / "book" / "claims.yml"
+    loaded = {claim["id"]: claim for claim in yaml.safe_load(path.read_text()) if isinstance(claim, dict)}
+    cut = []
+    for line in path.read_text().splitlines():
+        key, _, value = line.strip().lstrip("- ").partition(": ")
+        if value and not value.startswith(("'", '"', "[", "{", "|", ">")) and " #" in value:
+            cut.append(f"{key}: {value[:60]}")
+    assert not cut, f"quote these values, or YAML cuts them at ' #': {cut}"
+    assert "issue #552" in loaded["kaggle-nccl-works"]["why"]

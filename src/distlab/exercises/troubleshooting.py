@@ -18,7 +18,7 @@ SKIP_CASES = {
     "every rank saw one": (0, 1, 2, 3),
 }
 UNEVEN = {  # rank -> (correct, seen): the last rank's shard is the short one, as a sampler without padding leaves it
-    "uneven shards": lambda rank, n: (40 + 7 * rank, 50 + 10 * rank if rank < n - 1 else 13),
+    "uneven shards": lambda rank, n: (40 + 7 * rank, 50 + 10 * rank) if rank < n - 1 else (9, 13),
     "one rank saw nothing": lambda rank, n: (0, 0) if rank == n - 1 else (30 + rank, 40),
 }
 
