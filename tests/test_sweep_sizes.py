@@ -31,6 +31,7 @@ from distlab.gpu_report.run import (
 )
 from distlab.predict import gpu_predictions
 from distlab.predict.costmodel import training_flops
+from distlab.predict.gpu_specs import SYSTEMS
 from distlab.runtime import distributed
 
 GIB = 2**30
@@ -97,12 +98,16 @@ def test_an_unknown_gpu_is_sized_with_the_fallback_figures_and_a_small_one_runs_
 
 
 @pytest.mark.parametrize(
-    "name",
-    ["Tesla T4", "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
-     "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA GeForce RTX 4090"],
+    "name, system",
+    [("Tesla T4", "T4x2"), ("NVIDIA A100-SXM4-40GB", "A100x2"), ("NVIDIA A100-SXM4-80GB", None),
+     ("NVIDIA H100 80GB HBM3", "H100x8"), ("NVIDIA H100 PCIe", None), ("NVIDIA H200", "H200x1"),
+     ("NVIDIA H200 NVL", None), ("NVIDIA GeForce RTX 4090", None)],
 )  # fmt: skip
-def test_the_sweep_finds_a_gpu_by_name_as_the_report_does(name):
-    assert gpu_predictions.system_for([name]) is summary.system_for([name])
+def test_the_sweep_and_the_report_find_a_gpu_by_name_with_one_rule(name, system):
+    assert summary.system_for is gpu_predictions.system_for
+    found = gpu_predictions.system_for([name])
+    assert found is (None if system is None else SYSTEMS[system])
+    assert gpu_predictions.gpu_for([name]) is (None if found is None else found.gpu)
 
 
 def test_batch_sizes_name_one_positive_batch_per_preset():

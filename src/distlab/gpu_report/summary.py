@@ -12,28 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..predict import costmodel, gpu_predictions
-from ..predict.gpu_specs import SYSTEMS, System
+from ..predict.gpu_specs import System
 
-MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3"), "H200x1": ("H200",)}
-"""What a GPU's name must contain for the course's cited system to describe it: an A100 80 GB or an H100 PCIe
-differs from the cited one, and an H200 is not an H100."""
-EXCLUDES = {"H200x1": ("NVL",)}
-"""What it must not contain: an H200 NVL is a 600 W PCIe card with other peaks than the cited H200 SXM."""
-
-
-def system_for(gpus: list[str]) -> System | None:
-    """The course's cited system whose GPU these are, or None: no prediction from another GPU's figures."""
-    if not gpus:
-        return None
-    name = gpus[0].replace(" ", "")
-    return next(
-        (
-            SYSTEMS[key]
-            for key, parts in MATCHES.items()
-            if all(p in name for p in parts) and not any(p in name for p in EXCLUDES.get(key, ()))
-        ),
-        None,
-    )
+system_for = gpu_predictions.system_for
+"""The course's cited system whose GPU these are, or None: no prediction from another GPU's figures (an A100
+80 GB, an H100 PCIe or an H200 NVL differs from the cited one)."""
 
 
 def collectives(record: dict, system: System | None) -> list[dict]:

@@ -176,9 +176,10 @@ LOGITS_LIMIT = 2**31 - 1
 elements (pytorch/pytorch#85786, open: 'fails in forward when n is greater than 42730' for a 50257-word vocabulary;
 #111484, #190139: 32-bit offsets in its kernels), so a sweep stays under it."""
 MATCHES = {"T4x2": ("T4",), "A100x2": ("A100", "40GB"), "H100x8": ("H100", "HBM3"), "H200x1": ("H200",)}
-"""What a GPU's name must contain for a cited system to describe it (``gpu_report.summary.system_for``'s rule,
-here where a benchmark may import it)."""
+"""What a GPU's name must contain for a cited system to describe it: an A100 80 GB or an H100 PCIe differs from
+the cited one, and an H200 is not an H100 (here, where the benchmarks and the GPU report both import it)."""
 EXCLUDES = {"H200x1": ("NVL",)}
+"""What it must not contain: an H200 NVL is a 600 W PCIe card with other peaks than the cited H200 SXM."""
 
 
 def system_for(gpus: list[str]) -> System | None:
