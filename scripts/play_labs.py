@@ -367,13 +367,13 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
-    import torch
-
     if importlib.util.find_spec("distlab") is None:  # a checkout without `pip install -e .`: its own src/
         sys.path.insert(0, str(ROOT / "src"))
 
     inside_book = args.out.resolve() == BOOK_LABS.resolve() or BOOK_LABS.resolve() in args.out.resolve().parents
-    if inside_book and not torch.cuda.is_available():
+    from distlab.runtime import gpu_count
+
+    if inside_book and gpu_count() == 0:
         print(f"play_labs: no CUDA GPU here, and {BOOK_LABS.relative_to(ROOT)} holds GPU runs (the book shows "
               "them as such): play into another folder", file=sys.stderr)  # fmt: skip
         return 2

@@ -189,17 +189,6 @@ def rank_device(placement: Placement, local_rank: int) -> torch.device:
     return torch.device("cpu") if index is None else torch.device("cuda", index)
 
 
-def pick_backend(device: torch.device, backend: str = "auto") -> str:
-    """``nccl`` for CUDA, ``gloo`` otherwise, or the one asked for where it can carry ``device``'s tensors."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise DistlabError(f"unknown backend {backend!r}: use auto, gloo or nccl")
-    if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise DistlabError("the nccl backend needs CUDA tensors: use --backend gloo with --device cpu")
-    return backend
-
-
 def group_backend(backend: str) -> str:
     """What ``init_process_group`` is given for ``backend``: NCCL gets a gloo leg for CPU tensors."""
     return CPU_LEG if backend == "nccl" else backend

@@ -34,16 +34,16 @@ import torch.distributed as dist
 from ..cli import ResultConfig, finish_run, option, parse
 from ..errors import DistlabError, run_main
 from ..predict.streams import MODES
-from ..runtime import Runtime, distributed, gather_per_rank
+from ..runtime import Runtime, distributed, gather_per_rank, gpu_count
 from . import host
 from .harness import parse_sizes, summarize_times
 
 
 def require_cuda(what: str) -> torch.device:
     """The current CUDA device, or one sentence saying this needs a GPU."""
-    if not torch.cuda.is_available():
+    if gpu_count() == 0:
         raise DistlabError(
-            f"{what} needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False): run it "
+            f"{what} needs a CUDA GPU and this machine has none: run it "
             "on a GPU machine such as a Kaggle 'GPU T4 x2' kernel"
         )
     return torch.device("cuda", torch.cuda.current_device())

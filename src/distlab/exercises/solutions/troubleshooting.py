@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 
 def agree_to_skip(bad_batch: bool) -> bool:
-    flag = torch.tensor([1.0 if bad_batch else 0.0])
+    flag = torch.tensor([1.0 if bad_batch else 0.0])  # a CPU tensor: a CUDA group carries gloo for it, beside NCCL
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
