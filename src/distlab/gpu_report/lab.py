@@ -34,10 +34,11 @@ def report_from_results(results: str | Path, lab: str, out: str | Path = "gpu-re
         print(f"{lab}: no result file in {results}/ yet: run the lab's cells above first, then this one")
         return None
     machine = Machine.here()
-    folder = new_folder(Path(out), machine)
+    ranks = place(gpus=machine.gpus).ranks
+    folder = new_folder(Path(out), machine, ranks)
     for path in files:
         shutil.copy(path, folder / path.name)
-    what, ranks = f"the runs of {lab}", place(gpus=machine.gpus).ranks
+    what = f"the runs of {lab}"
     part = {"name": lab, "what": what, "status": "ran", "ranks": ranks, "files": [p.name for p in files]}
     rest = {
         "what": "the course's other GPU paths",

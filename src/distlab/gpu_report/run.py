@@ -242,10 +242,10 @@ def interconnect(facts: dict) -> str:
     return f"{link or 'link unknown'} between GPU0 and GPU1, {peer}"
 
 
-def new_folder(out: Path, machine: Machine) -> Path:
-    """A fresh report folder under ``out``, named after the GPU, the count and the time."""
+def new_folder(out: Path, machine: Machine, ranks: int) -> Path:
+    """A fresh report folder under ``out``, named after the GPU, the ranks it ran on and the time."""
     kind = re.sub(r"[^a-z0-9]+", "-", (machine.names[0] if machine.names else "cpu").lower()).strip("-")
-    folder = out / f"{kind}-{place(gpus=machine.gpus).ranks}x-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
+    folder = out / f"{kind}-{ranks}x-{_dt.datetime.now(_dt.UTC):%Y%m%d-%H%M%S}"
     folder.mkdir(parents=True)
     return folder
 
@@ -274,9 +274,9 @@ def write_report(out: Path, contributor: str = "", budget_s: float = 600, quick:
     """Run every part into a new folder under ``out``; write ``report.json`` and its pictures; check it (all but
     its failed parts, which mark it ``"status": "failed"``: :func:`schema.failed_parts` lists them)."""
     machine = Machine.here()
-    folder = new_folder(out, machine)
+    every = place(gpus=machine.gpus)  # the ranks the report's parts run on, decided once
+    folder = new_folder(out, machine, every.ranks)
     deadline = time.perf_counter() + budget_s
-    every = place(gpus=machine.gpus)
     print(f"gpu_report: {every.reason}", flush=True)
     parts = []
     for part in plan(machine, quick):
