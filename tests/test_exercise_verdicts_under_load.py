@@ -66,7 +66,7 @@ def _keeps_a_copy(x):
 
 
 def _keeps_nothing(x):
-    return float(x.sum())
+    return float(x.detach().sum())
 
 
 @pytest.mark.parametrize(
@@ -83,3 +83,35 @@ def test_storages_reached_are_what_the_learners_objects_refer_to(fn, reaches):
     del held_elsewhere
     KEPT.clear()
     gc.collect()
+
+
+class _Link:
+    """A link of a chain whose next link is made anew each time it is asked for, as autograd makes a fresh Python
+    object for a graph node it is asked for (on some builds of torch)."""
+
+    def __init__(self, depth: int, end: torch.Tensor):
+        self.depth, self.end = depth, end
+
+    def following(self):
+        return [_Link(self.depth - 1, self.end)] if self.depth else [self.end]
+
+
+def _keeps_a_chain(x):
+    KEPT.append(_Link(5, x))
+
+
+def test_storages_reached_through_objects_made_during_the_walk(monkeypatch):
+    """An object made during the walk and freed after it is walked leaves its id to the next one made; the walk
+    must not take that next one for one it has seen (it did, on Kaggle's torch, and missed a loss's graph)."""
+    from distlab.exercises import trial
+
+    walk_as_usual = trial._referents
+    monkeypatch.setattr(
+        trial, "_referents", lambda obj, *a: obj.following() if isinstance(obj, _Link) else walk_as_usual(obj, *a)
+    )
+    KEPT.clear()
+    x = torch.arange(6.0)
+    _keeps_a_chain(x)
+    KEPT[0] = KEPT[0].following()[0]  # only the walk holds the links from here on
+    assert x.untyped_storage().data_ptr() in storages_reached(_keeps_a_chain)
+    KEPT.clear()

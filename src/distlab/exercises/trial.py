@@ -259,7 +259,9 @@ def storages_reached(fn: Callable) -> set[int]:
     learner does, the same way on a quiet and on a busy machine."""
     home = fn.__globals__.get("__name__") if isinstance(fn, FunctionType) else None
     stack: list = [fn, *(fn.__globals__.values() if isinstance(fn, FunctionType) else ())]
-    seen: set[int] = set()
+    # Keyed by id, holding each object: autograd hands out a fresh wrapper for a node each time it is asked, and
+    # a wrapper freed mid-walk would leave its id to the next one, which would then be skipped as seen.
+    seen: dict[int, object] = {}
     found: set[int] = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # .grad of a non-leaf warns
@@ -267,7 +269,7 @@ def storages_reached(fn: Callable) -> set[int]:
             obj = stack.pop()
             if obj is None or id(obj) in seen:
                 continue
-            seen.add(id(obj))
+            seen[id(obj)] = obj
             stack.extend(_referents(obj, home, found))
     return found
 
