@@ -35,8 +35,9 @@ from distlab.exercises import grade
 from distlab.exercises.catalog import all_exercises
 from distlab.exercises.grader import _placement
 from distlab.parallel import STRATEGIES
+from distlab.results import read_result
 from distlab.runtime import Placement, gpu_count, place, rank_device, rank_placement
-from distlab.testing import write_tiny_mnist
+from distlab.testing import run_torchrun, write_tiny_mnist
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = gpu_count()
@@ -137,6 +138,27 @@ def test_the_gpu_report_runs_every_part_that_should_and_says_so(tmp_path):
     parts = json.loads(report.read_text())["parts"]
     failed = [p for p in parts if p["status"] == "failed"]
     assert not failed, failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
+def test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu(tmp_path):
+    """The sweep's FSDP2 point on one CUDA rank, at a small size: each FSDP2 variant timed alone, with CUDA's peak
+    of its own step; CUDA's allocated peak holds at least what the course counts. CPU twin:
+    ``tests/test_sweep.py::test_the_fsdp2_point_runs_its_variants_alone_uncalibrated_and_the_report_says_so``."""
+    bf16 = __import__("torch").cuda.is_bf16_supported(including_emulation=False)
+    done = run_torchrun(
+        1, "distlab.bench.sweep", "--models", "gpt-mini", "--batch-size", "8", "--seq-len", "256", "--steps", "2",
+        "--fsdp2-point", "gpt-mini:16", "--precision", "bf16" if bf16 else "fp16", "--collective-sizes", "1MB",
+        "--device", "cuda", "--out", str(tmp_path), "--name", "sweep",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = read_result(tmp_path / "sweep.json")["metrics"]["presets"][-1]
+    assert alone["point"] == "fsdp2-sized" and "local" not in alone
+    for row in alone["variants"]:
+        (cuda,) = row["cuda_memory"]
+        counted = max(rank["peak"] for rank in row["memory"]["ranks"])
+        assert cuda["max_allocated"] >= counted * 0.95, (row["variant"], cuda, counted)
 
 
 LABS = sorted((ROOT / "notebooks").glob("lab*.ipynb"))

@@ -79,9 +79,37 @@ def tiny_sweep(tmp_path_factory):
     done = run_torchrun(
         2, "distlab.bench.sweep", "--models", "gpt-tiny", "--steps", "1", "--warmup", "0",
         "--collective-sizes", "64KB,256KB", "--collective-repeats", "1", "--device", "cpu", "--out", str(out),
+        "--fsdp2-point", "gpt-tiny:2",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return read_result(out / "sweep-2xcpu.json")
+
+
+def test_the_fsdp2_point_runs_its_variants_alone_uncalibrated_and_the_report_says_so(tiny_sweep):
+    """The last point runs only the FSDP2 variants, each alone, with no calibration copy: what each sends and
+    holds of its state is what it sent and held beside the others (bytes do not depend on the batch), the model
+    fitted on the calibrated points leaves it out, and the GPU report shows it measured with no calibration."""
+    from distlab.bench.sweep import FSDP2_POINT, FSDP2_VARIANTS
+    from distlab.gpu_report import schema, summary
+
+    shared, alone = tiny_sweep["metrics"]["presets"]
+    assert alone["point"] == FSDP2_POINT and alone["batch_size"] == 2 and shared["batch_size"] == 4
+    assert "local" not in alone and alone["calibrated"] is False and alone["units"] == shared["units"]
+    assert [row["variant"] for row in alone["variants"]] == list(FSDP2_VARIANTS) == ["fsdp", "fsdp-no-reshard"]
+    beside = {row["variant"]: row for row in shared["variants"]}
+    for row in alone["variants"]:
+        assert _counted(row["traffic"]) == _counted(beside[row["variant"]]["traffic"]), row["variant"]
+        for rank, other in zip(row["memory"]["ranks"], beside[row["variant"]]["memory"]["ranks"]):
+            assert (rank["parameters"], rank["optimizer_state"]) == (other["parameters"], other["optimizer_state"])
+        assert row["tflops"] > 0 and len(row["times_s"]) == 1
+    assert {(r["model"], r["tokens_per_rank"]) for r in costmodel.evaluate(tiny_sweep)} == {("gpt-tiny", 4 * 64)}
+    rows = summary.sweep(tiny_sweep, None)
+    assert [(r["point"], r["model_s"], r["error"]) for r in rows if r["point"] == FSDP2_POINT] == [
+        (FSDP2_POINT, None, None), (FSDP2_POINT, None, None)
+    ]
+    environment = tiny_sweep["environment"] | {"date": "2026-11-27", "device_kind": "cpu"}
+    page = schema.report_markdown({"environment": environment, "summary": {"sweep": rows}, "parts": []})
+    assert "gpt-tiny, 128 (FSDP2 alone)" in page and "no calibration at this point" in page
 
 
 def _counted(traffic: dict) -> tuple[Counter, float]:

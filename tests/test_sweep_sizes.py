@@ -9,6 +9,7 @@ limit. What cannot be reached on a CPU is the CUDA allocator itself; the orderin
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from distlab.bench import sweep
 from distlab.bench.harness import Progress
 from distlab.bench.step import Trainee
+from distlab.bench.sweep import resident_bytes_per_rank
 from distlab.cli import parse
 from distlab.errors import DistlabError
 from distlab.gpu_report import summary
@@ -32,13 +34,13 @@ from distlab.gpu_report.run import (
 from distlab.predict import gpu_predictions
 from distlab.predict.costmodel import training_flops
 from distlab.predict.gpu_specs import SYSTEMS
+from distlab.predict.memory import expected_state_bytes
 from distlab.runtime import distributed
 
 GIB = 2**30
 ONE_H200 = Machine(1, 140 * GIB, True, ["NVIDIA H200"])
 T4_PAIR = Machine(2, int(14.75 * GIB), False, ["Tesla T4"] * 2)
 EIGHT_H100 = Machine(8, 80 * GIB, True, ["NVIDIA H100 80GB HBM3"] * 8)
-NON_FSDP = ("ddp", "zero1", "zero2", "zero3")
 
 
 def sweep_config(machine: Machine) -> sweep.SweepConfig:
@@ -48,40 +50,61 @@ def sweep_config(machine: Machine) -> sweep.SweepConfig:
 
 
 @pytest.mark.parametrize(
-    "machine, dominated_everywhere",
-    [(ONE_H200, NON_FSDP), (T4_PAIR, tuple(sweep.VARIANTS)), (EIGHT_H100, ("ddp", "zero3"))],
+    "machine, fsdp2_preset", [(ONE_H200, "gpt-2.7b"), (T4_PAIR, None), (EIGHT_H100, "gpt-2.7b")],
     ids=["1xH200", "2xT4", "8xH100"],
 )
-def test_the_plan_sizes_every_point_so_that_compute_is_three_times_the_fixed_costs(machine, dominated_everywhere):
+def test_the_plan_sizes_every_strategy_at_a_point_where_compute_is_three_times_its_fixed_costs(machine, fsdp2_preset):
     """ACCEPTANCE. Each sized point's predicted compute (the cited dense peak in the plan's precision times the cited
-    MFU) is at least 3x the step's fixed overhead: the per-step terms (launches, the optimizer's) and the strategy's
-    per-call and per-value terms, for every strategy the point lists as dominated; those include DDP and ZeRO-3 on
-    every machine, every non-FSDP strategy on the H200 and all six on the T4s. FSDP2's fixed cost (about 1.1 ms per
-    call on the H200) would need more than 2^31 logits or more memory than the GPU has: it reaches 1.2-2.5x on the
-    H100s and the H200 (3x on the T4s), and the point says so. The launch-bound size stays as the first point."""
+    MFU) is compared with each strategy's fixed overhead per step: the per-step terms (launches, the optimizer's),
+    the strategy's per-call and per-value terms, and on several GPUs the collectives' latencies. DDP and ZeRO-3 are
+    compute-dominated (compute at least 3x) at every shared point, and every strategy at one point at least.
+
+    FSDP2's cost per call (about 1.1 ms on the H200) is not amortised by any preset that fits beside the other five
+    strategies on an H100 or H200 (it would take more than 2^31 logits or more memory than the GPU has), so there
+    the plan adds the FSDP2 point: the smallest preset at which both FSDP2 variants are, each run alone. A T4 pair
+    needs none. The launch-bound size stays as the first point."""
     cfg, sized = sweep_config(machine), sweep_sizes(machine)
     system = gpu_predictions.system_for(machine.names)
     precision = "bf16" if machine.bf16 else "fp16"
     assert cfg.precision == precision and sized
+    shared = [size for size in sized if not size.alone]
     points = cfg.points()
     assert points[0] == (sized[0].model, 8, "launch-bound") and cfg.seq_len == 256
-    assert [(m, b) for m, b, label in points[1:]] == [(s.model, s.batch) for s in sized]
-    assert all(label == "sized" for _, _, label in points[1:])
-    for (model, batch, _), size in zip(points[1:], sized):
+    last = [(fsdp2_preset, sized[-1].batch, sweep.FSDP2_POINT)] if fsdp2_preset else []
+    assert points[1:] == [(s.model, s.batch, "sized") for s in shared] + last
+    assert [size.alone for size in sized] == [False] * len(shared) + [True] * len(last)
+    dominated_somewhere = set()
+    for (model, batch, label), size in zip(points[1:], sized):
+        variants = cfg.variants_at(label)
+        assert list(size.fixed_s) == variants
         tokens = batch * cfg.seq_len
         compute = training_flops(model, tokens, cfg.seq_len) / (
             system.gpu.peak_flops(precision) * system.gpu.mfu
         )  # the cited rate
         assert compute == pytest.approx(size.compute_s)
-        for variant in sweep.VARIANTS:
+        for variant in variants:
             fixed = gpu_predictions.fixed_s(model, variant, machine.gpus, system)
             assert (compute >= 3 * fixed) == (variant in size.dominated), (model, variant, compute / fixed)
-            if variant.startswith("fsdp"):
-                assert compute >= 1.2 * fixed, (model, variant, compute / fixed)
-        assert set(dominated_everywhere) <= set(size.dominated), (model, size.dominated)
+        assert {"ddp", "zero3"} & set(variants) <= set(size.dominated), (model, size.dominated)
+        assert not size.alone or set(size.dominated) == set(sweep.FSDP2_VARIANTS)
+        dominated_somewhere |= set(size.dominated)
         assert tokens * gpu_predictions.GPT_PRESETS[model].vocab_size <= gpu_predictions.LOGITS_LIMIT
         assert size.held_bytes <= gpu_predictions.MEMORY_FRACTION * machine.memory_bytes
+    assert dominated_somewhere == set(sweep.VARIANTS)
     assert gpu_predictions.sweep_seconds(sized, SWEEP_STEPS + SWEEP_WARMUP) <= SWEEP_PREDICTED_S < SWEEP_TIMEOUT_S / 2
+
+
+def test_the_fsdp2_point_plans_one_variant_resident_and_one_units_whole_gradients():
+    """At the FSDP2 point what stays resident is one FSDP2 variant's state (no calibration copy, no other variant),
+    and FSDP2 holds one unit's fp32 gradients whole at a time: the plan's held bytes say exactly that."""
+    size = sweep_sizes(EIGHT_H100)[-1]
+    assert size.alone and size.model == "gpt-2.7b"
+    units = gpu_predictions.units_of(size.model)
+    largest_unit = max(sum(math.prod(s) for s in unit) for unit in units)
+    resident = max(resident_bytes_per_rank(size.model, [v], 8, calibrated=False) for v in sweep.FSDP2_VARIANTS)
+    activations = gpu_predictions.ACTIVATION_MARGIN * gpu_predictions.activation_bytes(size.model, size.tokens, 256)
+    assert size.held_bytes == int(resident + 4 * largest_unit + activations)
+    assert resident < sum(expected_state_bytes(sweep.preset_parameters(size.model), "ddp", 1).values()) / 4
 
 
 def test_an_unknown_gpu_is_sized_with_the_fallback_figures_and_a_small_one_runs_the_launch_bound_point_alone():
@@ -117,7 +140,11 @@ def test_batch_sizes_name_one_positive_batch_per_preset():
         sweep.SweepConfig, ["--models", "gpt-tiny,gpt-mini", "--batch-size", "3", "--launch-bound", "gpt-tiny"]
     )
     assert plain.points() == [("gpt-tiny", 3, "launch-bound"), ("gpt-tiny", 3, ""), ("gpt-mini", 3, "")]
-    for bad in (["--batch-sizes", "64"], ["--batch-sizes", "64,0"], ["--batch-sizes", "64,x"]):
+    alone = parse(sweep.SweepConfig, ["--models", "gpt-mini", "--fsdp2-point", "gpt-tiny:3"])
+    assert alone.points()[-1] == ("gpt-tiny", 3, sweep.FSDP2_POINT)
+    assert alone.variants_at(sweep.FSDP2_POINT) == ["fsdp", "fsdp-no-reshard"] and len(alone.variants_at("")) == 6
+    for bad in (["--batch-sizes", "64"], ["--batch-sizes", "64,0"], ["--batch-sizes", "64,x"],
+                ["--fsdp2-point", "gpt-tiny"], ["--fsdp2-point", "gpt-tiny:0"], ["--fsdp2-point", "gpt-nope:3"]):
         with pytest.raises((DistlabError, SystemExit)):
             parse(sweep.SweepConfig, ["--models", "gpt-mini,gpt-small", *bad])
     with pytest.raises((DistlabError, SystemExit)):

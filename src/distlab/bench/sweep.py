@@ -18,6 +18,11 @@ compute dominates the step: :func:`distlab.predict.gpu_predictions.sweep_size`),
 at ``--batch-size`` as well, the labelled launch-bound point (``--launch-bound``). Every point reports its
 FLOPs per step, the TFLOP/s each variant achieved and, where the course cites the GPU, their share of its
 dense peak. CUDA's own peak of each variant is taken with that variant alone on the GPU (:func:`each_alone`).
+
+FSDP2 costs about a millisecond per collective call on a GPU whatever it sends, so its step is compute-dominated
+only on a model whose units are large: too large for every variant and the calibration copy at once. The
+``--fsdp2-point`` runs last, with only the FSDP2 variants, each built, timed and measured alone, and no
+calibration copy (:func:`time_each_alone`): its check is the course's cited-specification model, not this run's.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ VARIANTS = {
     "fsdp-no-reshard": dict(strategy="fsdp", fsdp_reshard_after_forward=False),
 }
 """What the sweep compares: each name a ``ParallelConfig``; fsdp twice, FULL_SHARD and SHARD_GRAD_OP."""
+FSDP2_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant["strategy"] == "fsdp")
+FSDP2_POINT = "fsdp2-sized"
+"""The label of the point where the FSDP2 variants run alone (``--fsdp2-point``)."""
 
 
 @dataclass
@@ -68,6 +76,11 @@ class SweepConfig(BenchConfig):
     launch_bound: str = option(
         "", "a preset run first at --batch-size as well, labelled the launch-bound point (empty: none)"
     )
+    fsdp2_point: str = option(
+        "",
+        "PRESET:BATCH, a last point where only the FSDP2 variants run, each built and timed alone with no "
+        "calibration copy, for a model too large for every variant at once (empty: none)",
+    )
     steps: int = option(20, "timed steps per strategy and preset")
     warmup: int = option(1, "untimed steps per strategy and preset")
     collective_sizes: str = option("64KB:64MB", "sizes of the collectives timed for the cost model")
@@ -83,7 +96,11 @@ class SweepConfig(BenchConfig):
     )
 
     def validate(self) -> None:
-        for name in self.models.split(",") + ([self.launch_bound] if self.launch_bound else []):
+        alone = self.fsdp2_point.split(":")
+        if self.fsdp2_point and (len(alone) != 2 or not alone[1].isdigit() or int(alone[1]) < 1):
+            raise DistlabError(f"--fsdp2-point {self.fsdp2_point!r}: a preset and a positive batch, as gpt-2.7b:32")
+        extra = [self.launch_bound] if self.launch_bound else []
+        for name in self.models.split(",") + extra + (alone[:1] if self.fsdp2_point else []):
             if name not in GPT_PRESETS:
                 raise DistlabError(f"unknown preset {name!r}: choose from {', '.join(GPT_PRESETS)}")
             if self.seq_len > GPT_PRESETS[name].seq_len:
@@ -99,12 +116,22 @@ class SweepConfig(BenchConfig):
 
     def points(self) -> list[tuple[str, int, str]]:
         """(preset, sequences per rank, label) of every point, in the order they run: the launch-bound point first
-        (labelled ``launch-bound``), then each preset at its own batch (``sized``) or at ``--batch-size`` (no label)."""
+        (labelled ``launch-bound``), then each preset at its own batch (``sized``) or at ``--batch-size`` (no label),
+        then the FSDP2 variants' own point (``fsdp2-sized``)."""
         models = self.models.split(",")
         sizes = [int(s) for s in self.batch_sizes.split(",")] if self.batch_sizes else [self.batch_size] * len(models)
         label = "sized" if self.batch_sizes else ""
         first = [(self.launch_bound, self.batch_size, "launch-bound")] if self.launch_bound else []
-        return first + [(model, size, label) for model, size in zip(models, sizes)]
+        last = []
+        if self.fsdp2_point:
+            model, batch = self.fsdp2_point.split(":")
+            last = [(model, int(batch), FSDP2_POINT)]
+        return first + [(model, size, label) for model, size in zip(models, sizes)] + last
+
+    def variants_at(self, point: str) -> list[str]:
+        """The variants a point runs: all of ``--variants``, or at the FSDP2 point its FSDP2 ones."""
+        names = self.variants.split(",")
+        return [name for name in names if name in FSDP2_VARIANTS] if point == FSDP2_POINT else names
 
 
 class LocalTrainee(Trainee):
@@ -141,15 +168,23 @@ def preset_parameters(model_name: str) -> int:
     return count_parameters(build_model(model_name, device="meta"))
 
 
-def resident_bytes_per_rank(model_name: str, variants: list[str], world_size: int) -> int:
+def resident_bytes_per_rank(model_name: str, variants: list[str], world_size: int, calibrated: bool = True) -> int:
     """What building every variant of a preset at once costs one rank (the model's state bytes, the
-    calibration copy and torch DDP's gradient buckets): the guard against swapping."""
+    calibration copy unless not ``calibrated``, and torch DDP's gradient buckets): the guard against swapping."""
     parameters = preset_parameters(model_name)
-    total = sum(expected_state_bytes(parameters, "ddp", 1).values())  # the calibration copy
+    total = sum(expected_state_bytes(parameters, "ddp", 1).values()) if calibrated else 0  # the calibration copy
     for name in variants:
         state = expected_state_bytes(parameters, VARIANTS[name]["strategy"], world_size)
         total += sum(state.values()) + (4 * parameters if name == "ddp" else 0)  # torch DDP's buckets
     return total
+
+
+def resident_at(cfg: SweepConfig, model_name: str, point: str, world_size: int) -> int:
+    """:func:`resident_bytes_per_rank` of a point: every variant and the calibration copy at once, or at the FSDP2
+    point the largest of its variants alone."""
+    if point != FSDP2_POINT:
+        return resident_bytes_per_rank(model_name, cfg.variants.split(","), world_size)
+    return max(resident_bytes_per_rank(model_name, [v], world_size, calibrated=False) for v in cfg.variants_at(point))
 
 
 def available_bytes() -> int | None:
@@ -246,16 +281,7 @@ def time_and_observe(
         steps, runtime, cfg.steps, cfg.warmup, after=lambda name: progress.advance(model_name, name, work=work)
     )
     skip = cfg.warmup
-    rows = []
-    for name, trainee in trainees.items():
-        memory = observe_memory(trainee, tokens, targets, runtime, timeline=False)
-        with TrafficCounter(runtime.world_size) as counted:
-            trainee.step(tokens, targets)
-        rows.append(
-            {"variant": name, **VARIANTS[name], **summarize_times(times[name]), "times_s": times[name]}
-            | {"traffic": counted.summary(), "traffic_by_device": dict(counted.bytes_by_device)}
-            | {"memory": {"ranks": memory}}
-        )
+    rows = [observed_row(name, trainee, times[name], runtime, tokens, targets) for name, trainee in trainees.items()]
     units = shard_unit_shapes(local.model)
     local_memory = observe_memory(local, tokens, targets, runtime)
     for rank in local_memory or []:  # the activations' own high-water mark: what the model adds
@@ -274,15 +300,69 @@ def time_and_observe(
     return entry, rows
 
 
+def observed_row(name: str, trainee: Trainee, times: list[float], runtime: Runtime, tokens, targets) -> dict:
+    """A variant's row: its timed steps, then one more step observed (every byte each rank holds, by the course's
+    count) and one counted (the bytes it sends, by collective and by device)."""
+    memory = observe_memory(trainee, tokens, targets, runtime, timeline=False)
+    with TrafficCounter(runtime.world_size) as counted:
+        trainee.step(tokens, targets)
+    return (
+        {"variant": name, **VARIANTS[name], **summarize_times(times), "times_s": times}
+        | {"traffic": counted.summary(), "traffic_by_device": dict(counted.bytes_by_device)}
+        | {"memory": {"ranks": memory}}
+    )
+
+
+def time_each_alone(
+    model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress, tokens, targets
+) -> tuple[dict, list[dict]]:
+    """The FSDP2 point: each of its variants built alone (:func:`each_alone`), timed for ``cfg.steps`` after
+    ``cfg.warmup``, observed as every row is, and, where the device counts its own peak, measured by it. There is
+    no calibration copy (the model is chosen too large for one beside a variant), so the entry has no ``local``
+    and says it is not ``calibrated``."""
+    dtype = LOW_PRECISION.get(cfg.precision)
+    peaks = device_peaks(runtime)
+    work = preset_parameters(model_name) * tokens.numel()
+
+    def build(name: str) -> tuple[str, Trainee]:
+        return name, Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
+
+    def measure(built: tuple[str, Trainee], before: int | None) -> dict:
+        name, trainee = built
+        times = round_robin(
+            {name: lambda: trainee.step(tokens, targets)}, runtime, cfg.steps, cfg.warmup,
+            after=lambda done: progress.advance(model_name, done, work=work),
+        )  # fmt: skip
+        row = observed_row(name, trainee, times[name], runtime, tokens, targets)
+        if peaks is not None:  # warm already: the peak of one more step
+            row["cuda_memory"] = peaks.measure(trainee, tokens, targets, runtime, warmup=0, resident_before=before)
+        return row
+
+    kept = {"before": peaks.allocated, "release": peaks.release} if peaks is not None else {}
+    rows = list(each_alone(cfg.variants_at(FSDP2_POINT), build, measure, **kept).values())
+    model = build_model(model_name, device="meta")
+    entry = {
+        "parameters": count_parameters(model),
+        "units": [[list(shape) for shape in unit] for unit in shard_unit_shapes(model)],
+        "parameter_shapes": [list(shape) for shape in parameter_shapes(model)],
+        "calibrated": False,
+    }
+    return entry, rows
+
+
 def measure_preset(
     model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress, batch_size: int | None = None,
     point: str = "",
 ) -> dict:  # fmt: skip
     """One point: ``model_name`` at ``batch_size`` sequences per rank (``cfg.batch_size`` by default), labelled
     ``point``. Timed with every variant resident; then, where the device counts its own peak, each variant
-    measured again alone (:func:`each_alone`), so that its peak holds no other variant's bytes."""
+    measured again alone (:func:`each_alone`), so that its peak holds no other variant's bytes. The FSDP2 point
+    is timed with each variant alone as well (:func:`time_each_alone`)."""
     batch_size = batch_size or cfg.batch_size
     tokens, targets = token_batch(model_name, cfg.seq_len, batch_size, runtime)
+    if point == FSDP2_POINT:
+        entry, rows = time_each_alone(model_name, cfg, runtime, progress, tokens, targets)
+        return point_entry(model_name, cfg, runtime, batch_size, point, entry, rows)
     entry, rows = time_and_observe(model_name, cfg, runtime, progress, tokens, targets)
     # time_and_observe has returned: the timed variants and the calibration copy are garbage (each_alone collects
     # them), and each variant is built again, alone.
@@ -298,11 +378,19 @@ def measure_preset(
         )
         for row in rows:
             row["cuda_memory"] = alone[row["variant"]]
+    return point_entry(model_name, cfg, runtime, batch_size, point, entry, rows)
+
+
+def point_entry(
+    model_name: str, cfg: SweepConfig, runtime: Runtime, batch_size: int, point: str, entry: dict, rows: list[dict]
+) -> dict:
+    """A point's record: its size and FLOPs per step, and each row's (and the calibration's) FLOP rate."""
     flops = training_flops(model_name, batch_size * cfg.seq_len, cfg.seq_len)
     peak = cited_peak(runtime, cfg.precision)
     for row in rows:
         row |= achieved(flops, row["time_s"], peak)
-    entry["local"] |= {"compute": achieved(flops, entry["local"]["compute_s"], peak)}
+    if "local" in entry:
+        entry["local"] |= {"compute": achieved(flops, entry["local"]["compute_s"], peak)}
     return {
         "model": model_name,
         "point": point,
@@ -320,7 +408,6 @@ CONFIG = SweepConfig
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(SweepConfig, argv)
-    names = cfg.variants.split(",")
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         n = runtime.world_size
         cuda = runtime.device.type == "cuda"
@@ -329,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         points = cfg.points()
         fits = [
             (m, b, label) for m, b, label in points
-            if free is None or sharing * resident_bytes_per_rank(m, names, n) <= cfg.memory_fraction * free
+            if free is None or sharing * resident_at(cfg, m, label, n) <= cfg.memory_fraction * free
         ]  # fmt: skip
         skipped = list(dict.fromkeys(m for m, _, _ in points if m not in {f[0] for f in fits}))
         shown = [f"{m} ({b}x{cfg.seq_len}" + (f", {label})" if label else ")") for m, b, label in fits]
@@ -344,8 +431,10 @@ def main(argv: list[str] | None = None) -> None:
             collectives = shard_collectives.sweep(runtime, parse_sizes(cfg.collective_sizes), 2, cfg.collective_repeats)
         progress = Progress(
             runtime,
-            sum(preset_parameters(m) * b * cfg.seq_len for m, b, _ in fits)
-            * (len(names) + 1)
+            sum(
+                preset_parameters(m) * b * cfg.seq_len * (len(cfg.variants_at(label)) + (label != FSDP2_POINT))
+                for m, b, label in fits
+            )
             * (cfg.warmup + cfg.steps),
         )
         presets = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench.sweep import VARIANTS, resident_bytes_per_rank
+from ..bench.sweep import FSDP2_VARIANTS, VARIANTS, resident_bytes_per_rank
 from ..errors import DistlabError
 from ..labs.launch import placement_args, torchrun
 from ..measure.hardware import nccl_settings, survey
@@ -32,6 +32,9 @@ from . import schema, summary
 SWEEP_PRESETS = ("gpt-mini", "gpt-small", "gpt-medium")
 """Presets the GPU sweep tries, smallest first; each runs where a batch that makes its step compute-dominated fits
 beside all its strategies built at once (:func:`sweep_sizes`)."""
+FSDP2_PRESETS = ("gpt-large", "gpt-xl", "gpt-2.7b")
+"""Presets the FSDP2 point tries, smallest first, where no sized preset makes FSDP2's step compute-dominated: its
+cost per call (about a millisecond on one H200) is amortised only by large units (:func:`sweep_sizes`)."""
 SWEEP_SEQ_LEN = 256
 """Tokens per sequence of every sweep point (gpt-mini's longest); a point grows by its batch."""
 LAUNCH_BOUND_BATCH = 8
@@ -83,7 +86,10 @@ def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:
     (:func:`distlab.predict.gpu_predictions.sweep_size`: compute at the GPU's cited peak times its MFU at least three
     times the step's fixed costs, within its memory); the GPU found by name as the report's predictions find it, or
     the fallback figures for one the course cites nothing for. Presets that fit at no such batch are left out, and
-    the largest ones while the sweep is predicted to take more than ``SWEEP_PREDICTED_S``."""
+    the largest ones while the sweep is predicted to take more than ``SWEEP_PREDICTED_S``.
+
+    Where an FSDP2 variant is dominated at none of them, the last size is the FSDP2 point: the smallest of
+    ``FSDP2_PRESETS`` at which every FSDP2 variant is, each run alone (:func:`fsdp2_size`)."""
     names = list(VARIANTS)
     system = gpu_predictions.system_for(machine.names)
     gpu = system.gpu if system is not None else gpu_predictions.FALLBACK_GPU
@@ -96,9 +102,26 @@ def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:
         )
         if size is not None:
             sizes.append(size)
-    while sizes and gpu_predictions.sweep_seconds(sizes, SWEEP_STEPS + SWEEP_WARMUP) > SWEEP_PREDICTED_S:
+    undominated = [v for v in FSDP2_VARIANTS if not any(v in size.dominated for size in sizes)]
+    alone = fsdp2_size(machine, gpu, precision, system) if sizes and undominated else None
+    budget = SWEEP_PREDICTED_S - (gpu_predictions.sweep_seconds([alone], SWEEP_STEPS + SWEEP_WARMUP) if alone else 0)
+    while sizes and gpu_predictions.sweep_seconds(sizes, SWEEP_STEPS + SWEEP_WARMUP) > budget:
         sizes.pop()
-    return sizes
+    return sizes + [alone] if sizes and alone else sizes
+
+
+def fsdp2_size(machine: Machine, gpu, precision: str, system) -> gpu_predictions.SweepSize | None:
+    """The FSDP2 point: the smallest of ``FSDP2_PRESETS`` at which every FSDP2 variant's step is compute-dominated,
+    each variant built alone with no calibration copy (so the largest one's state is what stays resident)."""
+    for preset in FSDP2_PRESETS:
+        resident = max(resident_bytes_per_rank(preset, [v], machine.gpus, calibrated=False) for v in FSDP2_VARIANTS)
+        size = gpu_predictions.sweep_size(
+            gpu, preset, FSDP2_VARIANTS, machine.gpus, SWEEP_SEQ_LEN, precision, machine.memory_bytes, resident,
+            system, alone=True,
+        )  # fmt: skip
+        if size is not None and set(size.dominated) == set(FSDP2_VARIANTS):
+            return size
+    return None
 
 
 def sized_presets(machine: Machine) -> list[str]:
@@ -122,11 +145,13 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     sizes = "--sizes " + ("64KB:256MB" if cuda else "64KB:1MB" if quick else "64KB:16MB")
     sizes += " --repeats " + ("10" if cuda else "3")
     if sized:  # each preset at its compute-dominated batch, after the smallest one at the launch-bound size
+        shared = [s for s in sized if not s.alone]
         sweep = (
-            f"--models {','.join(s.model for s in sized)} --batch-sizes {','.join(str(s.batch) for s in sized)} "
+            f"--models {','.join(s.model for s in shared)} --batch-sizes {','.join(str(s.batch) for s in shared)} "
             f"--launch-bound {sized[0].model} --batch-size {LAUNCH_BOUND_BATCH} --seq-len {SWEEP_SEQ_LEN} "
             f"--steps {SWEEP_STEPS} --warmup {SWEEP_WARMUP} "
         )
+        sweep += "".join(f"--fsdp2-point {s.model}:{s.batch} " for s in sized if s.alone)
     elif cuda:  # too small a GPU for any compute-dominated size: the launch-bound point alone
         sweep = f"--models gpt-mini --batch-size {LAUNCH_BOUND_BATCH} --seq-len {SWEEP_SEQ_LEN} --steps 10 --warmup 2 "
     else:

@@ -219,8 +219,8 @@ def report_markdown(report: dict) -> str:
                 r["ranks"],
                 f"{1e3 * r['measured_s']:.1f}",
                 _rate(r),
-                f"{1e3 * r['model_s']:.1f}",
-                f"{100 * r['error']:+.0f} %",
+                "no calibration at this point" if r["model_s"] is None else f"{1e3 * r['model_s']:.1f}",
+                "" if r["error"] is None else f"{100 * r['error']:+.0f} %",
                 _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
                 _mib(r.get("counted_peak")),
                 _mib(r.get("cuda_max_allocated")),
@@ -318,7 +318,8 @@ def _difference(row: dict) -> str:
 
 def _point(row: dict) -> str:
     tokens = f", {row['tokens_per_rank']:,}" if row.get("tokens_per_rank") else ""
-    return f"{row['model']}{tokens}" + (" (launch-bound)" if row.get("point") == "launch-bound" else "")
+    note = {"launch-bound": " (launch-bound)", "fsdp2-sized": " (FSDP2 alone)"}.get(row.get("point"), "")
+    return f"{row['model']}{tokens}{note}"
 
 
 def _rate(row: dict) -> str:

@@ -18,7 +18,7 @@ def point_label(preset: dict, sized: bool) -> str:
     if not sized:
         return preset["model"]
     label = f"{preset['model']}\n{preset['batch_size']}x{preset['seq_len']}"
-    return label + ("\nlaunch-bound" if preset.get("point") == "launch-bound" else "")
+    return label + {"launch-bound": "\nlaunch-bound", "fsdp2-sized": "\nFSDP2 alone"}.get(preset.get("point"), "")
 
 
 def plot_sweep(records: Sequence[dict]):
@@ -39,9 +39,9 @@ def plot_sweep(records: Sequence[dict]):
         width = 0.8 / len(variants)
         for ax, (label, value) in zip(column, measures):
             for i, variant in enumerate(variants):
-                heights = [value(next(r for r in p["variants"] if r["variant"] == variant)) for p in presets]
-                xs = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(presets))]
-                ax.bar(xs, heights, width, color=SWEEP_COLORS.get(variant), label=variant)
+                ran = [(k, row) for k, p in enumerate(presets) for row in p["variants"] if row["variant"] == variant]
+                xs = [k + (i - (len(variants) - 1) / 2) * width for k, _ in ran]  # the FSDP2 point runs FSDP2 alone
+                ax.bar(xs, [value(row) for _, row in ran], width, color=SWEEP_COLORS.get(variant), label=variant)
             ax.set_xticks(range(len(presets)), [point_label(p, sized) for p in presets], fontsize=8)
             if any(patch.get_height() > 0 for patch in ax.patches):
                 ax.set_yscale("log")

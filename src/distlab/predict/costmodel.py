@@ -90,6 +90,7 @@ class ComputeModel:
     @classmethod
     def fit(cls, presets: Sequence[dict]) -> ComputeModel:
         """From a sweep's ``local`` calibration (the same model trained with no communication)."""
+        presets = calibrated(presets)
         flops = [training_flops(p["model"], p["tokens_per_rank"], p["seq_len"]) for p in presets]
         overhead, per_flop = _line(flops, [p["local"]["compute_s"] for p in presets])
         opt_overhead, per_value = _line(
@@ -312,6 +313,12 @@ def error_summary(errors: Sequence[float]) -> dict[str, float]:
     return {"points": len(errors), "median_abs": statistics.median(magnitudes), "max_abs": max(magnitudes)}
 
 
+def calibrated(presets: Sequence[dict]) -> list[dict]:
+    """The points of a sweep that ran the calibration copy (``local``): every point but a GPU sweep's FSDP2 point,
+    whose model is too large for one beside a variant. The fits and :func:`evaluate` read these alone."""
+    return [preset for preset in presets if "local" in preset]
+
+
 def strategy_overheads(one_rank: dict) -> dict[tuple[str, str], float]:
     """What each strategy costs around the bare model's arithmetic, from a one-rank sweep, where nothing
     communicates: ``(model, variant) -> `` its measured step less the same model's step with no wrapper at all
@@ -322,7 +329,7 @@ def strategy_overheads(one_rank: dict) -> dict[tuple[str, str], float]:
         raise ValueError("strategy overheads come from a one-rank sweep, where nothing communicates")
     return {
         (preset["model"], row["variant"]): max(0.0, row["time_s"] - preset["local"]["time_s"])
-        for preset in one_rank["metrics"]["presets"]
+        for preset in calibrated(one_rank["metrics"]["presets"])
         for row in preset["variants"]
     }
 
@@ -394,7 +401,7 @@ class StrategyCosts:
         if one_rank["environment"]["world_size"] != 1:
             raise ValueError("strategy costs come from a one-rank sweep, where nothing communicates")
         points: dict[str, list[tuple[int, int, float, float]]] = {}
-        for preset in one_rank["metrics"]["presets"]:
+        for preset in calibrated(one_rank["metrics"]["presets"]):
             units, order = _shapes(preset)
             for row in preset["variants"]:
                 extra = row["time_s"] - preset["local"]["time_s"]
@@ -413,14 +420,15 @@ def evaluate(result: dict, overheads: dict[tuple[str, str], float] | StrategyCos
     to the measured ones. The model's inputs come from the same run's calibration (the steps with no
     communication, the collectives' timings, the activations' high-water mark), never from the
     strategies' own measurements; ``overheads`` adds each strategy's cost around the arithmetic: a table
-    (:func:`strategy_overheads`, from another run) or a law (:class:`StrategyCosts`)."""
+    (:func:`strategy_overheads`, from another run) or a law (:class:`StrategyCosts`). A point with no calibration
+    (:func:`calibrated`) has nothing to evaluate against and is left out."""
     metrics, n = result["metrics"], result["environment"]["world_size"]
     overheads = overheads or {}
     backend = result["environment"].get("backend", "gloo")
     compute = ComputeModel.fit(metrics["presets"])
     collectives = fit_collectives(metrics["collectives"])
     rows = []
-    for preset in metrics["presets"]:
+    for preset in calibrated(metrics["presets"]):
         units = [[tuple(s) for s in unit] for unit in preset["units"]]
         order = [tuple(s) for s in preset["parameter_shapes"]] if "parameter_shapes" in preset else None
         local = max(preset["local"]["memory"]["ranks"], key=lambda rank: rank["peak"])

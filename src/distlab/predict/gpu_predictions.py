@@ -248,7 +248,8 @@ def sweep_step_s(
 class SweepSize:
     """One preset's size in a GPU sweep, and what the model predicts there: the compute of a step, each variant's
     fixed costs (:func:`fixed_s`), the variants whose step is compute-dominated at this size (compute at least
-    ``margin`` times their fixed costs), the bytes a rank is planned to hold, and a rough step per variant."""
+    ``margin`` times their fixed costs), the bytes a rank is planned to hold, a rough step per variant, and whether
+    each variant runs alone (the FSDP2 point: no calibration copy, no other variant built)."""
 
     model: str
     batch: int
@@ -258,6 +259,7 @@ class SweepSize:
     dominated: tuple[str, ...]
     held_bytes: int
     step_s: dict[str, float]
+    alone: bool = False
 
     @property
     def tokens(self) -> int:
@@ -275,18 +277,23 @@ def sweep_size(
     resident_bytes: int,
     system: System | None = None,
     margin: float = 3.0,
+    alone: bool = False,
 ) -> SweepSize | None:
     """The batch (sequences of ``seq_len`` per rank, a multiple of 8) at which ``model``'s step is compute-dominated:
     the fewest sequences whose compute (:func:`compute_s`) is ``margin`` times the largest fixed cost among
     ``variants`` (:func:`fixed_s`), or, where that does not fit, the most that fit. What a rank holds must stay
     under ``MEMORY_FRACTION`` of ``memory_bytes``: ``resident_bytes`` (every variant built at once), one step's
     whole fp32 gradients and its activations (:func:`activation_bytes` times ``ACTIVATION_MARGIN``); and its logits
-    under ``LOGITS_LIMIT``. None where not even the smallest fixed cost can be dominated within those limits."""
+    under ``LOGITS_LIMIT``. None where not even the smallest fixed cost can be dominated within those limits.
+
+    ``alone``: the FSDP2 point, where each variant runs by itself (``resident_bytes`` is the largest one's) and
+    FSDP2 holds whole fp32 gradients one unit at a time, reduce-scattering each as its backward ends."""
     fixed = {variant: fixed_s(model, variant, gpus, system) for variant in variants}
     per_sequence = compute_s(gpu, model, seq_len, seq_len, precision)
     needed = {variant: 8 * math.ceil(margin * cost / per_sequence / 8) for variant, cost in fixed.items()}
     parameters = sum(math.prod(s) for unit in units_of(model) for s in unit)
-    room = MEMORY_FRACTION * memory_bytes - resident_bytes - 4 * parameters
+    whole = max(sum(math.prod(s) for s in unit) for unit in units_of(model)) if alone else parameters
+    room = MEMORY_FRACTION * memory_bytes - resident_bytes - 4 * whole
     per_held_sequence = ACTIVATION_MARGIN * activation_bytes(model, 1024 * seq_len, seq_len) / 1024
     fitting = 8 * int(room / per_held_sequence / 8) if room > 0 else 0
     fitting = min(fitting, 8 * (LOGITS_LIMIT // (seq_len * GPT_PRESETS[model].vocab_size) // 8))
@@ -294,19 +301,22 @@ def sweep_size(
     if batch < min(needed.values()):
         return None
     compute = compute_s(gpu, model, batch * seq_len, seq_len, precision)
-    held = resident_bytes + 4 * parameters + ACTIVATION_MARGIN * activation_bytes(model, batch * seq_len, seq_len)
+    held = resident_bytes + 4 * whole + ACTIVATION_MARGIN * activation_bytes(model, batch * seq_len, seq_len)
     return SweepSize(
         model, batch, seq_len, compute, fixed, tuple(v for v in variants if compute >= margin * fixed[v]), int(held),
-        {v: sweep_step_s(gpu, model, v, gpus, batch * seq_len, seq_len, precision, system) for v in variants},
+        {v: sweep_step_s(gpu, model, v, gpus, batch * seq_len, seq_len, precision, system) for v in variants}, alone,
     )  # fmt: skip
 
 
 def sweep_seconds(sizes: list[SweepSize], steps: int) -> float:
     """A sized sweep's predicted run time, builds left out: per preset, every variant and the calibration copy
     for ``steps`` (warm-up included), then about four more steps of each variant (memory, traffic, and its CUDA
-    peak alone after a warm-up step)."""
+    peak alone after a warm-up step); at the FSDP2 point each variant alone for ``steps`` and three more."""
     total = 0.0
     for size in sizes:
+        if size.alone:
+            total += (steps + 3) * sum(size.step_s.values())
+            continue
         slowest = max(size.step_s.values())
         total += (len(size.step_s) + 1) * steps * slowest + 4 * sum(size.step_s.values())
     return total
