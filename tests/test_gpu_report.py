@@ -248,3 +248,21 @@ def test_a_report_run_with_other_code_is_shown_with_what_ran_and_what_failed(tmp
     (folder / schema.PROVENANCE_FILE).write_text(json.dumps({"code": "commit abc"}))
     with pytest.raises(ValueError, match="no changes, says"):
         schema.read_reports(tmp_path / "reports")
+
+
+def test_each_sweep_row_says_how_far_its_predicted_arithmetic_outweighs_its_fixed_costs():
+    """The committed H200 report's points (8 x 256 tokens) are launch-bound: the course predicts their arithmetic
+    at under a third of each strategy's fixed costs, and the page shows the ratio beside every row."""
+    from distlab.gpu_report import summary
+    from distlab.predict import gpu_predictions
+
+    (report,) = [r for r in schema.read_reports(committed_results("gpu")) if "H200" in schema.label(r)]
+    system = gpu_predictions.system_for(report["environment"]["gpus"])
+    rows = summary.of_report(report)["sweep"]
+    for row in rows:
+        compute = gpu_predictions.compute_s(system.gpu, row["model"], row["tokens_per_rank"], 256, "bf16")
+        fixed = gpu_predictions.fixed_s(row["model"], row["variant"], 1, system)
+        assert row["compute_over_fixed"] == pytest.approx(compute / fixed) and row["compute_over_fixed"] < 1
+    page = schema.report_markdown(report | {"summary": {"sweep": rows}})
+    assert "compute / fixed costs, PREDICTED" in page and "| 0.043x |" in page
+    assert schema.CITED_PREDICTIONS not in page  # the report said so when it ran: the course cites the H200 since

@@ -202,12 +202,12 @@ def not_run(machine: Machine) -> list[dict]:
                 "what": "SyncBatchNorm training under DDP",
                 "reason": "DDP refuses SyncBatchNorm on CPU modules; the batch-norm part records that refusal",
             },
-            {"what": "predictions from cited GPU specifications", "reason": "no GPU to compare them with"},
+            {"what": schema.CITED_PREDICTIONS, "reason": "no GPU to compare them with"},
         ]
     if summary.system_for(machine.names) is None:
         return [
             {
-                "what": "predictions from cited GPU specifications",
+                "what": schema.CITED_PREDICTIONS,
                 "reason": "the course cites T4, A100 40 GB, H100 SXM and H200 SXM specifications, "
                 f"not {machine.names[0]}'s",
             }

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ..plots.gpu_report import report_label as label
+from ..predict.gpu_predictions import system_for
 from ..results import SCHEMA as RESULT_SCHEMA
 
 REPORT_SCHEMA = "distlab.gpu_report/1"
 REPORT_FILE = "report.json"
 PROVENANCE_FILE = "provenance.json"
+CITED_PREDICTIONS = "predictions from cited GPU specifications"
+"""What a report's ``not_run`` calls the predictions, where the course cites nothing for its GPU."""
 """Beside a report measured with code other than a commit of the course as it is (an earlier commit with local
 changes, say): what ran, in words the page shows. Such a report is shown with its failed parts, each labelled."""
 PROVENANCE_KEYS = ("code", "changes", "says")
@@ -219,6 +222,7 @@ def report_markdown(report: dict) -> str:
                 r["ranks"],
                 f"{1e3 * r['measured_s']:.1f}",
                 _rate(r),
+                "" if r.get("compute_over_fixed") is None else f"{r['compute_over_fixed']:.2g}x",
                 "no calibration at this point" if r["model_s"] is None else f"{1e3 * r['model_s']:.1f}",
                 "" if r["error"] is None else f"{100 * r['error']:+.0f} %",
                 _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
@@ -236,9 +240,10 @@ def report_markdown(report: dict) -> str:
                     "ranks",
                     "measured ms",
                     "achieved TFLOP/s (share of the cited peak)",
+                    "compute / fixed costs, PREDICTED",
                     "model ms (its own calibration)",
                     "error",
-                    "PREDICTED ms from cited specs",
+                    "PREDICTED ms from cited specs (arithmetic, optimizer, collectives; no fixed costs)",
                     "counted MiB",
                     "CUDA max allocated MiB",
                     "CUDA max reserved MiB",
@@ -301,7 +306,10 @@ def report_markdown(report: dict) -> str:
     if failed:
         why = (report.get("provenance") or {}).get("failed", {})
         blocks.append("Failed: " + "; ".join(f"{p['name']} ({why.get(p['name']) or p.get('reason')})" for p in failed))
-    skipped = [part for part in report["parts"] if part["status"] == "skipped"] + report.get("not_run", [])
+    # a report from before the course cited its GPU said the predictions could not run; the page makes them now
+    cited = system_for(report["environment"].get("gpus") or []) is not None
+    not_run = [n for n in report.get("not_run", []) if not (cited and n["what"] == CITED_PREDICTIONS)]
+    skipped = [part for part in report["parts"] if part["status"] == "skipped"] + not_run
     if skipped:
         blocks.append("Not run: " + "; ".join(f"{p.get('name') or p.get('what')} ({p['reason']})" for p in skipped))
     return "\n\n".join(blocks)

@@ -79,6 +79,7 @@ def sweep(record: dict, system: System | None) -> list[dict]:
                     "point": preset.get("point", ""),
                     "tokens_per_rank": preset["tokens_per_rank"],
                     **_achieved(record, preset, row, system),
+                    "compute_over_fixed": _compute_over_fixed(record, preset, row["variant"], system),
                     "variant": row["variant"],
                     "ranks": n,
                     "measured_s": row["time_s"],
@@ -103,6 +104,19 @@ def _achieved(record: dict, preset: dict, row: dict, system: System | None) -> d
     precision = (record.get("config") or {}).get("precision")
     peak = system.gpu.peak_flops(precision) if system is not None and precision in ("bf16", "fp16") else None
     return {"tflops": rate / 1e12, "peak_share": rate / peak if peak else None}
+
+
+def _compute_over_fixed(record: dict, preset: dict, variant: str, system: System | None) -> float | None:
+    """The course's prediction of a point's arithmetic (the GPU's cited peak times its MFU) over the strategy's fixed
+    costs per step (:func:`distlab.predict.gpu_predictions.fixed_s`): under 3, the step measures the overhead more
+    than the GPU. None without a cited GPU or a mixed-precision run."""
+    precision = (record.get("config") or {}).get("precision")
+    if system is None or precision not in ("bf16", "fp16"):
+        return None
+    n = record["environment"]["world_size"]
+    compute = gpu_predictions.compute_s(system.gpu, preset["model"], preset["tokens_per_rank"], preset["seq_len"],
+                                        precision)  # fmt: skip
+    return compute / gpu_predictions.fixed_s(preset["model"], variant, n, system)
 
 
 def fsdp_options(record: dict, system: System | None) -> list[dict]:
