@@ -170,6 +170,7 @@ def _edit(folder: Path, file: str, change) -> None:
     [
         (lambda f: _edit(f, "sweep.json", lambda r: r["config"].update(out="/home/alice/runs")), "machine path"),
         (lambda f: _edit(f, "report.json", lambda r: r["environment"].pop("torch")), "no 'torch'"),
+        (lambda f: _edit(f, "sweep.json", lambda r: r["environment"].update(hostname="alice-pc")), "names the machine"),
         (lambda f: _replace(f, "sweep.json", '"time_s": ', '"time_s": NaN, "x": '), "NaN"),
         (lambda f: (f / "collectives.json").unlink(), "missing"),
         (lambda f: (f / "host.json").write_bytes(b" " * (schema.LARGEST_FILE + 1)), "more than"),
@@ -266,3 +267,48 @@ def test_each_sweep_row_says_how_far_its_predicted_arithmetic_outweighs_its_fixe
     page = schema.report_markdown(report | {"summary": {"sweep": rows}})
     assert "compute / fixed costs, PREDICTED" in page and "| 0.043x |" in page
     assert schema.CITED_PREDICTIONS not in page  # the report said so when it ran: the course cites the H200 since
+
+
+def test_a_report_names_no_machine(cpu_report, tmp_path, monkeypatch):
+    """No result file records the machine's name any more, and a report's files lose it wherever a command line or a
+    log quoted it (F15: a hostname such as alice-laptop would have gone into the pull request)."""
+    from distlab.results import environment
+
+    assert "hostname" not in environment()
+    folder = _copy(cpu_report, tmp_path, "named")
+    monkeypatch.setattr(run, "machine_names", lambda: {"alice-laptop", "alice-laptop.home"})
+    _edit(folder, "host.json", lambda r: r["environment"].update(command="ssh alice-laptop.home python -m x"))
+    run.scrub(folder)
+    text = (folder / "host.json").read_text()
+    assert "alice-laptop" not in text and "ssh <host> python" in text
+    assert schema.problems(folder) == []
+
+
+def test_a_fit_whose_time_does_not_grow_with_size_shows_no_bandwidth_not_zero():
+    """F16: a collective whose time fell as its size grew (a noisy CPU run) has no bandwidth to fit; the table says
+    so instead of a fitted "0.00 GB/s"."""
+    from distlab.gpu_report import summary
+
+    rows = [
+        {"collective": "all_gather", "impl": "ring", "bytes": size, "time_s": t, "busbw_GBps": size / t / 1e9}
+        for size, t in ((1 << 16, 3e-3), (1 << 20, 2e-3), (1 << 22, 1e-3))
+    ]
+    (row,) = summary.collectives({"metrics": rows, "environment": {"world_size": 2}}, None)
+    assert row["fit_bus_GBps"] is None
+    environment = {"device_kind": "cpu", "date": "2026-11-27"}
+    report = {"environment": environment, "parts": [], "summary": {"collectives": [row]}}
+    assert "| no fit: time did not grow with size |" in schema.report_markdown(report)
+
+
+def test_a_several_rank_reports_model_column_says_it_lacks_each_strategys_own_cost(cpu_report):
+    """F14: on one rank the model column carries each strategy's own cost, fitted on the same run; on several ranks
+    no run measures that cost apart from what is sent, and each cell says it is left out."""
+    from distlab.gpu_report import summary
+
+    report = schema.check(cpu_report)
+    rows = summary.of_report(report)["sweep"]
+    assert rows and all(r["ranks"] == 2 and r["model_has_strategy_cost"] is False for r in rows)
+    page = schema.report_markdown(report | {"summary": {"sweep": rows}})
+    assert page.count("(without the strategy's own cost)") == len(rows)
+    (h200,) = [r for r in schema.read_reports(committed_results("gpu")) if "H200" in schema.label(r)]
+    assert "without the strategy's own cost" not in schema.report_markdown(h200 | {"summary": summary.of_report(h200)})

@@ -11,7 +11,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,7 +86,6 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "hostname": socket.gethostname(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.version.cuda,

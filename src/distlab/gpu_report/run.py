@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,11 +217,19 @@ def not_run(machine: Machine) -> list[dict]:
 
 
 def scrub(folder: Path) -> None:
-    """Take this machine's paths out of every text file: a report is shared."""
+    """Take this machine's paths and its name out of every text file: a report is shared."""
     here = str(folder.resolve())
+    names = [re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])") for name in machine_names()]
     for path in folder.glob("*.json"):
-        text = path.read_text().replace(here, ".").replace(str(folder), ".")
-        path.write_text(schema.MACHINE_PATH.sub("<path>", text))
+        text = schema.MACHINE_PATH.sub("<path>", path.read_text().replace(here, ".").replace(str(folder), "."))
+        for name in names:
+            text = name.sub("<host>", text)
+        path.write_text(text)
+
+
+def machine_names() -> set[str]:
+    """This machine's names, as a command line or a log may hold them (too short a name would match words)."""
+    return {name for name in (socket.gethostname(), socket.getfqdn()) if len(name) > 2}
 
 
 def run_part(part: Part, folder: Path, seconds_left: float) -> dict:

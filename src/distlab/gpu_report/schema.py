@@ -20,6 +20,8 @@ from ..results import SCHEMA as RESULT_SCHEMA
 REPORT_SCHEMA = "distlab.gpu_report/1"
 REPORT_FILE = "report.json"
 PROVENANCE_FILE = "provenance.json"
+HOSTNAME_KEY = re.compile(r'"hostname"\s*:')
+"""A machine's name as a result file once recorded it: a report is shared, and names no machine."""
 CITED_PREDICTIONS = "predictions from cited GPU specifications"
 """What a report's ``not_run`` calls the predictions, where the course cites nothing for its GPU."""
 """Beside a report measured with code other than a commit of the course as it is (an earlier commit with local
@@ -131,9 +133,12 @@ def problems(folder: str | Path, *, failed_ok: bool = False) -> list[str]:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         total += path.stat().st_size
         if path.suffix in TEXT_SUFFIXES and path.stat().st_size <= LARGEST_FILE:
-            match = MACHINE_PATH.search(path.read_text(errors="replace"))
+            text = path.read_text(errors="replace")
+            match = MACHINE_PATH.search(text)
             if match:
                 found.append(f"{path.relative_to(folder)}: a machine path, {match.group(0)[:60]!r}")
+            if HOSTNAME_KEY.search(text):
+                found.append(f"{path.relative_to(folder)}: names the machine (a 'hostname'): a shared report does not")
     if total > LARGEST_REPORT:
         found.append(f"the folder holds {total:,} bytes, more than {LARGEST_REPORT:,}")
     return found
@@ -223,7 +228,7 @@ def report_markdown(report: dict) -> str:
                 f"{1e3 * r['measured_s']:.1f}",
                 _rate(r),
                 "" if r.get("compute_over_fixed") is None else f"{r['compute_over_fixed']:.2g}x",
-                "no calibration at this point" if r["model_s"] is None else f"{1e3 * r['model_s']:.1f}",
+                _model_ms(r),
                 "" if r["error"] is None else f"{100 * r['error']:+.0f} %",
                 _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
                 _mib(r.get("counted_peak")),
@@ -259,7 +264,7 @@ def report_markdown(report: dict) -> str:
                 c["impl"],
                 _size(c["bytes"]),
                 f"{c['busbw_GBps']:.2f}",
-                f"{c['fit_bus_GBps']:.2f}",
+                "no fit: time did not grow with size" if c["fit_bus_GBps"] is None else f"{c['fit_bus_GBps']:.2f}",
                 f"{1e6 * c['fit_alpha_s']:.1f}",
                 c.get("cited_busbw_GBps") or "none",
             ]
@@ -322,6 +327,15 @@ def _difference(row: dict) -> str:
     return (
         f"{same}: weights {row['weights_max_abs_diff']:.1e}, running statistics {row['running_stats_max_abs_diff']:.1e}"
     )
+
+
+def _model_ms(row: dict) -> str:
+    """The cost model's step; on several ranks without each strategy's own cost, which only a one-rank run
+    measures apart from what it sends (the chapter's model adds it from such a run), and the cell says so."""
+    if row["model_s"] is None:
+        return "no calibration at this point"
+    without = "" if row.get("model_has_strategy_cost", True) else " (without the strategy's own cost)"
+    return f"{1e3 * row['model_s']:.1f}{without}"
 
 
 def _point(row: dict) -> str:

@@ -36,7 +36,7 @@ def collectives(record: dict, system: System | None) -> list[dict]:
                 "bytes": largest["bytes"],
                 "busbw_GBps": largest["busbw_GBps"],
                 "fit_alpha_s": fit.alpha_s,
-                "fit_bus_GBps": bus or 0.0,
+                "fit_bus_GBps": bus,  # None where time did not grow with size: no bandwidth to fit
                 "cited_busbw_GBps": None if cited is None else cited.get(collective, system.gather_busbw) / 1e9,
             }
         )
@@ -84,6 +84,7 @@ def sweep(record: dict, system: System | None) -> list[dict]:
                     "ranks": n,
                     "measured_s": row["time_s"],
                     "model_s": None if point is None else point["predicted_s"],
+                    "model_has_strategy_cost": overheads is not None,
                     "error": None if point is None else point["time_error"],
                     "predicted_s": predicted,
                     "unpredicted": None if predicted or system is None else "DDP and FSDP2 only",
