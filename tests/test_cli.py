@@ -312,7 +312,7 @@ def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy)
 
 
 def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
-    from distlab.labs.launch import _failure_reason
+    from distlab.testing import _failure_reason
 
     banner = "distlab: fsdp | cnn (405,898 parameters) | synthetic | 2 rank(s)\n"
     assert _failure_reason([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")

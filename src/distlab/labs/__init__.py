@@ -5,5 +5,5 @@
 The set-up cell every lab starts with is ``scripts/lab_setup.py``; the GPUs a lab got are surveyed by
 :mod:`distlab.measure.hardware`.
 
-May import: runtime, errors, cli, config, results.
+May import: runtime, errors, cli, config, results, testing.
 """
