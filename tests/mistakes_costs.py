@@ -40,6 +40,14 @@ def sent_in_the_gradient_dtype(strategy, parameters, n, reduce_bytes, gather_byt
     return gathers * share * parameters * reduce_bytes
 
 
+def sent_always_reducing_fp32(strategy, parameters, n, reduce_bytes, gather_bytes):
+    share = (n - 1) / n
+    if strategy == "ddp":
+        return 2 * share * parameters * 4
+    gathers = 2 if strategy == "fsdp" else 1
+    return share * parameters * (4 + gathers * gather_bytes)
+
+
 def sent_whole_tensor(strategy, parameters, n, reduce_bytes, gather_bytes):
     gathers = 2 if strategy == "fsdp" else 1
     if strategy == "ddp":
@@ -67,4 +75,5 @@ MISTAKES = [
     ("bytes_sent_per_step", sent_in_the_gradient_dtype, "wrong_dtype", "16-bit parameters"),
     ("bytes_sent_per_step", sent_zero_without_gather, "zero_without_gather", "zero1, 124,439,808 parameters"),
     ("bytes_sent_per_step", sent_whole_tensor, "whole_tensor", "ddp, 124,439,808 parameters"),
+    ("bytes_sent_per_step", sent_always_reducing_fp32, "reduced_in_fp32", "FSDP2's default with a 16-bit param_dtype"),
 ]

@@ -73,6 +73,10 @@ def peak_ignores_the_option(units, n, reshard_after_forward, bytes_per_value=4):
     return (gathered[-1] + max(gathered[:-1], default=0)) * bytes_per_value
 
 
+def peak_of_every_unit(units, n, reshard_after_forward, bytes_per_value=4):
+    return sum(sum(whole(s, n) for s in unit) for unit in units) * bytes_per_value
+
+
 def peak_of_shards(units, n, reshard_after_forward, bytes_per_value=4):
     gathered = [sum(whole(s, n) for s in unit) for unit in units]
     if reshard_after_forward:
@@ -90,4 +94,5 @@ MISTAKES = [
     ("fsdp2_gathered_bytes", peak_without_root, "forgot_root", "gpt-tiny on 2 ranks"),
     ("fsdp2_gathered_bytes", peak_ignores_the_option, "freed_after_forward", "reshard_after_forward=False"),
     ("fsdp2_gathered_bytes", peak_of_shards, "shards_not_whole", "got 141184, expected 282368"),
+    ("fsdp2_gathered_bytes", peak_of_every_unit, "kept_until_backward", "prefetch can add the next unit's all-gather"),
 ]

@@ -210,6 +210,18 @@ def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
     assert run_calculator_js([defaults])["rows"][0] == list(rows.values())
 
 
+def test_the_reduce_dtype_choices_say_whose_they_are():
+    """fp32 reductions are DDP's under autocast and the course's FSDP2 policy, not torch's FSDP2 default: its
+    MixedPrecisionPolicy leaves reduce_dtype None, which reduces in the 16-bit param_dtype
+    (tests/test_gpu_predictions.py runs it on gloo ranks)."""
+    select = re.search(r'<select name="reduce_dtype">(.*?)</select>', FRAGMENT.read_text(), re.S).group(1)
+    labels = dict(re.findall(r'<option value="([\w-]+)"[^>]*>([^<]*)</option>', select))
+    assert set(labels) == set(REDUCE_DTYPES)
+    assert "the course's policy" in labels["fp32"] and "autocast" in labels["fp32"]
+    assert "torch's default" not in labels["fp32"]
+    assert "FSDP2's default" in labels["16-bit"] and "param_dtype" in labels["16-bit"]
+
+
 def test_memory_per_gpu_decides_fits_at_the_byte():
     row = memory_per_rank(1_000_000, 1, 1.0, "fp32", "sgd")[1]  # DDP: 12 bytes a parameter, no step counter
     exactly = row["total"] / GIB

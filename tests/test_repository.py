@@ -195,3 +195,88 @@ def test_every_claim_reads_as_written():
             cut.append(f"{key}: {value[:60]}")
     assert not cut, f"quote these values, or YAML cuts them at ' #': {cut}"
     assert "issue #552" in loaded["kaggle-nccl-works"]["why"]
+
+
+# What the pages say about FSDP2's reduce dtype, and numbers they quote, against torch and the committed results
+# (content review 3: F2, F10, F11, F13, F17, F20).
+
+FP32_CALLED_TORCHS_DEFAULT = (
+    "torch's mixed-precision defaults",
+    "torch's default mixed-precision dtypes",
+    "torch's default dtypes",
+    "torch's default under autocast",
+    "default `reduce_dtype=fp32`",
+    "as torch does it by default",
+)
+
+
+def test_no_page_calls_an_fp32_reduce_scatter_torchs_default():
+    """torch's MixedPrecisionPolicy.reduce_dtype is None, which reduces in param_dtype (tests/test_gpu_predictions.py
+    runs it): an fp32 reduce-scatter is the course's policy, and the pages, the ledger and the library say so."""
+    files = [
+        "book/ddp_vs_fsdp.md", "book/fsdp_from_scratch.md", "book/claims.yml", "book/_static/calculator.html",
+        "src/distlab/exercises/costs.py", "src/distlab/predict/gpu_predictions.py", "src/distlab/predict/calculator.py",
+    ]  # fmt: skip
+    found = [
+        f"{name}: {phrase!r}"
+        for name in files
+        for phrase in FP32_CALLED_TORCHS_DEFAULT
+        if phrase in " ".join((ROOT / name).read_text().split())
+    ]
+    assert not found, found
+    page = (ROOT / "book" / "ddp_vs_fsdp.md").read_text()
+    assert "torch's default for `reduce_dtype` is None" in page
+
+
+def test_the_t4_advice_names_fp16_not_bf16():
+    """A T4 has no bf16 arithmetic units (fsdp2_in_practice.md): the rule about Kaggle's T4s must not send a reader
+    to bf16 reductions."""
+    page = (ROOT / "book" / "ddp_vs_fsdp.md").read_text()
+    rule = page[page.index("5. **Bandwidth and GPU count**") : page.index("(ddp-vs-fsdp-calculator)=")]
+    assert "reduce_dtype=bf16" not in rule and "the 16-bit format is fp16" in rule and "no bf16" in rule
+
+
+def test_full_shard_sends_less_than_half_as_much_again_because_the_root_is_gathered_once():
+    """ddp_vs_fsdp.md's sweep: ZeRO-3 and FULL_SHARD send more than DDP but less than 1.5x (the root is gathered
+    once), the page prints the ratio, and the further below 1.5x the larger the root's share."""
+    from distlab.models import build_model
+    from distlab.predict.memory import shard_unit_shapes
+    from distlab.results import read_result
+
+    page = (ROOT / "book" / "ddp_vs_fsdp.md").read_text()
+    assert "sent[name] / sent['ddp']" in page and "half as much again\n  (a second" not in page
+    record = read_result(ROOT / "book" / "results" / "sweep" / "sweep-2xcpu.json")
+    ratios = {}
+    for preset in record["metrics"]["presets"]:
+        sent = {row["variant"]: sum(t["bytes_sent"] for t in row["traffic"].values()) for row in preset["variants"]}
+        for name in ("zero3", "fsdp"):
+            assert 1 < sent[name] / sent["ddp"] < 1.5, (preset["model"], name)
+        units = shard_unit_shapes(build_model(preset["model"], device="meta"))
+        values = [sum(shape.numel() for shape in unit) for unit in units]
+        ratios[values[-1] / sum(values)] = sent["fsdp"] / sent["ddp"]
+    assert [ratios[share] for share in sorted(ratios)] == sorted(ratios.values(), reverse=True)
+
+
+def test_torch_chunk_leaves_the_last_ranks_fewer_rows_or_none():
+    """fsdp2_in_practice.md: FSDP2 shards dim 0 as torch.chunk does, pieces of ceil(rows / N)."""
+    import torch
+
+    assert [len(p) for p in torch.chunk(torch.arange(10), 4)] == [3, 3, 3, 1]
+    assert [len(p) for p in torch.chunk(torch.arange(6), 4)] == [2, 2, 2]  # rank 3 holds nothing
+    page = (ROOT / "book" / "fsdp2_in_practice.md").read_text()
+    assert "a row more than the last" not in page and "torch.chunk(torch.arange(rows), 4)" in page
+
+
+def test_one_root_unit_was_the_slower_at_every_committed_world_size():
+    """fsdp2_in_practice.md says the root-only unit made the step slower at both world sizes, against the defaults
+    and against keeping each block (the same bytes): what the committed options runs show, computed on the page."""
+    from distlab.results import read_result
+
+    paths = sorted((ROOT / "book" / "results" / "fsdp").glob("fsdp-options-gpt-mini-*xcpu.json"))
+    assert len(paths) == 2
+    for path in paths:
+        rows = {row["variant"]: row for row in read_result(path)["metrics"]["variants"]}
+        assert rows["root_only"]["time_s"] > max(rows["fsdp"]["time_s"], rows["keep_after_forward"]["time_s"]), path
+    page = (ROOT / "book" / "fsdp2_in_practice.md").read_text()
+    assert "rows['root_only']['time_s'] / rows['fsdp']['time_s']" in page
+    assert "faster or slower (compare the two world sizes)" not in " ".join(page.split())

@@ -24,7 +24,8 @@
   const STEP_COUNTER_BYTES = { adam: 4, adamw: 4, sgd: 0 };
   const PRECISIONS = ["fp32", "mixed"];
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
-  // distlab.predict.calculator.REDUCE_DTYPES: bytes per value of the gradient reductions on the wire.
+  // distlab.predict.calculator.REDUCE_DTYPES: bytes per value of the gradient reductions on the wire (fp32: DDP
+  // under autocast, FSDP2 with the course's reduce_dtype=fp32; 16-bit: FSDP2's default with a 16-bit param_dtype).
   const REDUCE_DTYPES = { fp32: 4, "16-bit": 2 };
   // distlab.predict.calculator.ZERO_BUCKET_VALUES: ZeRO-2's one bucket of whole gradients (5 MB of fp32 values).
   const ZERO_BUCKET_VALUES = Math.floor((5 * 2 ** 20) / 4);

@@ -59,9 +59,12 @@ def ring_time_trial(t: Trial, fn) -> None:
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "fsdp-no-reshard")
 WIRES = (
     (4, 4, "fp32 everywhere"),
-    (4, 2, "fp32 gradients, 16-bit parameters (torch's mixed-precision defaults)"),
-    (2, 2, "16 bits everywhere"),
+    (4, 2, "fp32 gradients, 16-bit parameters (DDP under autocast; FSDP2 with reduce_dtype=fp32, the course's policy)"),
+    (2, 2, "16 bits everywhere (FSDP2's default with a 16-bit param_dtype; DDP with a compression hook)"),
 )
+"""(reduce_bytes, gather_bytes, what sends them). torch's ``MixedPrecisionPolicy`` leaves ``reduce_dtype`` None, and
+FSDP2 then reduces in ``param_dtype``: 16 bits once the parameters are 16-bit. fp32 reductions are DDP's under
+autocast (its parameters stay fp32) and the course's FSDP2 policy (``--fsdp-reduce-dtype fp32``)."""
 PARAMETERS = (124_439_808, 1_557_611_200)  # gpt-small's and gpt-xl's sizes; both divide by 2 and by 8
 
 
@@ -74,7 +77,9 @@ def expected_bytes(strategy: str, parameters: int, n: int, reduce_bytes: int, ga
 def _bytes_mistakes(strategy: str, p: int, n: int, r: int, g: int) -> list[tuple[str, float]]:
     share, right = (n - 1) / n, expected_bytes(strategy, p, n, r, g)
     gathers = {"fsdp": 2}.get(strategy, 1)
-    wrong = [("whole_tensor", right * n / (n - 1))]
+    # first: on 2 ranks a whole tensor is also twice the bytes, and the fp32 reduction is the likelier mistake here
+    wrong = [("reduced_in_fp32", expected_bytes(strategy, p, n, 4, g))] if r != 4 else []
+    wrong.append(("whole_tensor", right * n / (n - 1)))
     if strategy == "ddp":
         wrong.append(("wrong_dtype", 2 * share * p * g))
     else:  # every collective in one of the two dtypes
@@ -107,7 +112,11 @@ def bytes_sent_trial(t: Trial, fn) -> None:
                 for strategy in STRATEGIES:
                     for p in PARAMETERS:
                         _check_bytes(t, fn, strategy, p, n, r, g)
-    t.note("in torch's mixed-precision defaults FULL_SHARD sends DDP's bytes: 4 + 2 + 2 against 4 + 4 per value")
+    t.note(
+        "with 16-bit gathers and an fp32 reduce-scatter (the course's policy) FULL_SHARD sends what DDP sends under "
+        "autocast, 2 + 2 + 4 against 4 + 4 per value; with torch's default reduce dtype (the 16-bit param_dtype) "
+        "2 + 2 + 2, three quarters of it"
+    )
 
 
 EXERCISES = (
@@ -153,6 +162,9 @@ EXERCISES = (
             "all-gather and one reduce-scatter, DDP's volume.",
             "zero_without_gather": "after each rank steps its slice, the updated parameters must reach every rank: "
             "ZeRO-1 and ZeRO-2 all-gather them, so they send what DDP sends.",
+            "reduced_in_fp32": "the gradients were reduced in fp32 where they travel in reduce_bytes. fp32 is not "
+            "a default of FSDP2: torch's MixedPrecisionPolicy reduces in param_dtype unless reduce_dtype says "
+            "otherwise (the course's policy sets fp32), and DDP reduces in its gradients' dtype.",
             "wrong_dtype": "each collective carries its own dtype: the gradients (all-reduce, reduce-scatter) in "
             "reduce_bytes, the parameters (all-gather) in gather_bytes.",
             "whole_tensor": "a ring sends (n-1)/n of the tensor from each rank per phase, not the whole of it.",

@@ -267,7 +267,8 @@ EXERCISES = (
         page="fsdp2_in_practice",
         task="Return the most bytes of whole (gathered) parameters FSDP2 holds at once, for `units` the parameter "
         "shapes by shard unit with the root's last, on `n` ranks: each parameter's dim 0 padded to a multiple of "
-        "`n`; with `reshard_after_forward` the root and one other unit at a time, without it every unit at once.",
+        "`n`; with `reshard_after_forward` the root and one other unit at a time, without it every unit at once "
+        "(a prefetching all-gather's buffer left out, as in the chapter's gloo timeline).",
         signature="def gathered_peak_bytes(units: list, n: int, reshard_after_forward: bool, "
         "bytes_per_value: int = 4) -> int:",
         solution="fsdp2.gathered_peak_bytes",
@@ -282,8 +283,10 @@ EXERCISES = (
             "shards_not_whole": "that is one rank's shard. The peak counts whole parameters: n shards gathered.",
             "freed_after_forward": "with reshard_after_forward=False each unit stays gathered from its forward to its "
             "backward, so at the end of forward every unit is whole at once: the sum, not the largest.",
-            "kept_until_backward": "with reshard_after_forward=True a unit is freed after its forward, so only the "
-            "root and the unit computing now are whole: the root plus the largest other unit.",
+            "kept_until_backward": "with reshard_after_forward=True a unit is freed after its forward, so the whole "
+            "parameters counted here are the root's and one other unit's at a time, as the chapter's gloo timeline "
+            "measures them: the root plus the largest other unit. (FSDP2's prefetch can add the next unit's "
+            "all-gather buffer to that, on a GPU in forward too; this count leaves it out.)",
         },
     ),
 )

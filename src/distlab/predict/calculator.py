@@ -29,9 +29,11 @@ precision (16-bit parameters and gradients, fp32 master weights in the optimizer
 fp32 parameters: its state is "fp32"."""
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"}
 REDUCE_DTYPES = {"fp32": 4, "16-bit": 2}
-"""Bytes per value of the gradient reductions on the wire: fp32 is torch's default under autocast (DDP
-all-reduces its fp32 gradients; the course's FSDP2 policy has ``reduce_dtype=fp32``); 16-bit is DDP's
-``fp16_compress_hook`` or ``reduce_dtype=bf16``. Parameters are gathered in the precision's parameter dtype."""
+"""Bytes per value of the gradient reductions on the wire, one choice for every row. fp32: torch DDP under autocast
+(its gradients are fp32, as its parameters) and FSDP2 with ``reduce_dtype=torch.float32``, the course's policy (the
+page's default). 16-bit: FSDP2's own default once ``param_dtype`` is 16-bit (``MixedPrecisionPolicy.reduce_dtype``
+is None, and FSDP2 then reduces in the compute dtype), and DDP with ``fp16_compress_hook``. Parameters are gathered
+in the precision's parameter dtype."""
 STRATEGIES = {
     "DDP, torch's default buckets": "ddp",
     "DDP, gradient_as_bucket_view": "ddp",

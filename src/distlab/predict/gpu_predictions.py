@@ -1,19 +1,20 @@
 """The cost model (:mod:`distlab.predict.costmodel`) run on GPUs nobody here has: every input cited
 (:mod:`distlab.predict.gpu_specs`) or assumed and said so, every output a prediction.
 
-Per optimizer step of torch DDP and FSDP2 (both reshard settings) on a GPT preset, mixed precision as torch
-does it by default:
+Per optimizer step of torch DDP and FSDP2 (both reshard settings) on a GPT preset in mixed precision (DDP under
+autocast, FSDP2 with a 16-bit ``param_dtype``):
 
 * compute: the step's FLOPs over the GPU's dense 16-bit peak times a cited achieved fraction (MFU);
 * optimizer: Adam on this rank's values, 28 bytes read and written per value (an fp32 parameter or master
   weight read and written, two fp32 moments read and written, the gradient read) at the GPU's memory
   bandwidth (assumed: the step is memory-bound);
 * communication: NCCL's ring, ``steps * latency + bytes sent / bus bandwidth``, each collective in its own
-  dtype (``WIRE``): DDP under autocast keeps fp32 parameters, so it all-reduces fp32 gradients unless a
+  dtype (``POLICIES``): DDP under autocast keeps fp32 parameters, so it all-reduces fp32 gradients unless a
   compression hook halves them; FSDP2 all-gathers in ``param_dtype`` and reduce-scatters in
-  ``reduce_dtype`` (fp32 in the course's policy). Given as a range, from nothing hidden to as much hidden
-  as can be (DDP: every bucket but the last behind backward; FSDP: every collective but the first
-  all-gather and the last reduce-scatter behind compute);
+  ``reduce_dtype``, which is fp32 in the course's policy (the default here, what the course's GPU sweep runs)
+  and the 16-bit ``param_dtype`` itself in torch's default (``reduce_dtype=None``). Given as a range, from
+  nothing hidden to as much hidden as can be (DDP: every bucket but the last behind backward; FSDP: every
+  collective but the first all-gather and the last reduce-scatter behind compute);
 * memory: what each strategy keeps (DDP under autocast: fp32 parameters, gradients and buckets beside
   Adam's moments, 20 bytes per parameter; FSDP2: fp32 shards, 16 bytes per parameter over N, and its
   gathered units in ``param_dtype``), plus activations by Korthikanti et al.'s count for a transformer
@@ -51,14 +52,29 @@ ACTIVATIONS = (
     "https://arxiv.org/abs/2205.05198, section 4.1: a layer stores s*b*h*(34 + 5*a*s/h) bytes in 16-bit training"
 )
 ADAM_BYTES_PER_VALUE = 28
-WIRE = {"ddp": (4, None), "fsdp": (4, 2), "fsdp-no-reshard": (4, 2)}
-"""Bytes per value of (gradient reductions, parameter gathers) under torch's defaults in mixed precision: DDP
-all-reduces its fp32 gradients (2 with ``fp16_compress_hook``); FSDP2 with ``MixedPrecisionPolicy(param_dtype
-=bf16 or fp16, reduce_dtype=fp32)`` gathers 16-bit parameters and reduce-scatters fp32 gradients."""
+POLICIES = {
+    "course": {"ddp": (4, None), "fsdp": (4, 2), "fsdp-no-reshard": (4, 2)},
+    "torch": {"ddp": (4, None), "fsdp": (2, 2), "fsdp-no-reshard": (2, 2)},
+}
+"""Bytes per value of (gradient reductions, parameter gathers) in mixed precision, by whose settings. DDP under
+autocast all-reduces its fp32 gradients in both (2 only with ``fp16_compress_hook``: pass ``reduce_bytes=2``).
+FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16 or fp16)`` gathers 16-bit parameters in both; it reduce-scatters
+fp32 gradients under the course's policy (``reduce_dtype=torch.float32``, ``--fsdp-reduce-dtype fp32``, the default
+of :class:`distlab.config.ParallelConfig`, which the course's GPU sweep runs), and 16-bit ones under torch's own
+default (``reduce_dtype=None``: "the reduction uses the compute dtype", ``_fsdp_collectives.py``: ``reduce_dtype or
+grad_dtype``)."""
+POLICY_NAMES = {
+    "course": "the course's policy (FSDP2 reduce-scatters in fp32)",
+    "torch": "torch's defaults (FSDP2 reduce-scatters in its 16-bit param_dtype)",
+}
+"""How a page names each of ``POLICIES``."""
+WIRE = POLICIES["course"]
+"""The wire the predictions assume unless told otherwise: the course's policy, which its GPU runs measure."""
 STATE = {"ddp": "fp32", "fsdp": "mixed", "fsdp-no-reshard": "mixed"}
 """What :func:`distlab.predict.costmodel.predict_peak_bytes` counts for each under autocast: DDP's fp32
 parameters and gradients; FSDP2's fp32 shards hold as many bytes as "mixed" (16 per value over N) and its
-gathered units are 16-bit."""
+gathered units are 16-bit. The same under either policy: FSDP2's sharded gradients are fp32 whatever dtype
+they were reduced in."""
 VARIANTS = ("ddp", "fsdp", "fsdp-no-reshard")
 
 
@@ -91,14 +107,18 @@ def predict(
     state: str | None = None,
     reduce_bytes: int | None = None,
     gather_bytes: int | None = None,
+    policy: str = "course",
 ) -> dict:
     """One step of ``variant`` on ``gpus`` of ``system``'s GPUs, ``tokens`` per GPU: seconds (a range) and bytes.
     ``state``: what a rank keeps ("fp32": fp32 parameters under autocast; "mixed": 16-bit parameters and
-    gradients beside fp32 master weights); ``reduce_bytes`` and ``gather_bytes``: bytes per value the gradient
-    reductions and the parameter gathers carry. Each defaults to torch's behaviour (``STATE``, ``WIRE``)."""
+    gradients beside fp32 master weights), by default ``STATE``'s; ``reduce_bytes`` and ``gather_bytes``: bytes
+    per value the gradient reductions and the parameter gathers carry, by default ``policy``'s (``POLICIES``:
+    "course", the course's fp32 reduce-scatter, or "torch", torch's default 16-bit one)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     state = state or STATE[variant]
-    reduce_bytes = reduce_bytes or WIRE[variant][0]
-    gather_bytes = gather_bytes or WIRE[variant][1]
+    reduce_bytes = reduce_bytes or POLICIES[policy][variant][0]
+    gather_bytes = gather_bytes or POLICIES[policy][variant][1]
     gpu, units = system.gpu, units_of(model)
     parameters = sum(math.prod(s) for unit in units for s in unit)
     precision = "bf16" if gpu.bf16_flops else "fp16"
@@ -119,7 +139,8 @@ def predict(
     slowest, fastest = compute + optimizer + sum(times), compute + optimizer + exposed_least
     return {
         "system": system.name, "gpu": gpu.name, "usable_memory_bytes": gpu.usable_memory_bytes,
-        "model": model, "variant": variant, "gpus": gpus, "parameters": parameters,
+        "model": model, "variant": variant, "gpus": gpus, "parameters": parameters, "policy": policy,
+        "reduce_bytes": reduce_bytes, "gather_bytes": gather_bytes,
         "compute_s": compute, "optimizer_s": optimizer, "communication_s": sum(times),
         "bytes_sent": sum(size * RING_FACTOR[collective](gpus) for collective, _, size in calls),
         "step_s_no_overlap": slowest, "step_s_best_overlap": fastest,
@@ -128,10 +149,10 @@ def predict(
     }  # fmt: skip
 
 
-def table(models: tuple[str, ...], tokens: int = 2048, seq_len: int = 1024) -> list[dict]:
-    """Every system at its own GPU count, every preset, every variant."""
+def table(models: tuple[str, ...], tokens: int = 2048, seq_len: int = 1024, policy: str = "course") -> list[dict]:
+    """Every system at its own GPU count, every preset, every variant, on ``policy``'s wire (``POLICIES``)."""
     return [
-        predict(system, model, variant, system.count, tokens, seq_len)
+        predict(system, model, variant, system.count, tokens, seq_len, policy=policy)
         for system in SYSTEMS.values()
         for model in models
         for variant in VARIANTS
