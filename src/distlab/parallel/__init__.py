@@ -10,7 +10,9 @@ Each is a :class:`.base.Strategy`, the naive version beside the real one:
 ``STRATEGIES`` maps each command-line name to its class; :func:`full_state_dict` gathers any wrapped model
 whole (the course's ZeRO-3 knows where its own shards go), and :func:`unwrap` finds the user's module in it.
 :mod:`.flat_param` lays parameters end to end in equal shards for the from-scratch ZeRO; :mod:`.fsdp1` runs
-FSDP1 as the notes configure it, outside the registry.
+FSDP1 as the notes configure it, outside the registry. :mod:`.sharded_optimizer` is ZeRO-1 as an optimizer, not a
+strategy: :func:`~.sharded_optimizer.get_sharded_optimizer` (torch's ``ZeroRedundancyOptimizer``'s interface) deals
+whole parameters out to the ranks, each stepping its own and broadcasting them; the caller averages the gradients.
 
 A new strategy goes here: a :class:`.base.Strategy` subclass in its own module, added to ``STRATEGIES``.
 
