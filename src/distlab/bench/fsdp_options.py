@@ -19,8 +19,7 @@ from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, count_parameters
 from ..runtime import distributed
-from .harness import round_robin, summarize_times
-from .step import Trainee, cuda_peaks, observe_memory, token_batch
+from .step import Trainee, cuda_peaks, measure_trainees, token_batch
 
 FSDP = ParallelConfig(strategy="fsdp")
 VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
@@ -90,19 +89,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.batch_size}x{cfg.seq_len} tokens/rank, {runtime.describe()}, "
             f"{len(names)} variants x {cfg.steps} steps"
         )
-        steps = {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
-        times = round_robin(steps, runtime, cfg.steps, cfg.warmup)
+        measured, _ = measure_trainees(trainees, tokens, targets, runtime, cfg.steps, cfg.warmup, timeline=True)
         rows = []
         for name, trainee in trainees.items():
-            memory = observe_memory(trainee, tokens, targets, runtime)
-            stats = summarize_times(times[name])
-            row = {"variant": name, "change": VARIANTS[name][0], **stats, "times_s": times[name]}
+            row = {"variant": name, "change": VARIANTS[name][0], **measured[name]}
             if runtime.device.type == "cuda":
                 row["cuda_memory"] = cuda_peaks(trainee, tokens, targets, runtime)
-            rows.append({**row, "memory": {"ranks": memory}})
+            rows.append(row)
             if runtime.is_main:
-                peak = max(rank["peak"] for rank in memory) / 2**20
-                runtime.log(f"  {name:<18} median {1e3 * stats['time_s']:8.1f} ms, peak {peak:7.1f} MiB/rank")
+                peak = max(rank["peak"] for rank in row["memory"]["ranks"]) / 2**20
+                runtime.log(f"  {name:<18} median {1e3 * row['time_s']:8.1f} ms, peak {peak:7.1f} MiB/rank")
         metrics = {"variants": rows, "parameters": parameters}
         name = cfg.output.name or f"fsdp-options-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
         finish_run(runtime, cfg.output.out, name, "fsdp_options_bench", asdict(cfg), metrics)

@@ -118,6 +118,29 @@ def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = 
     return gather_per_rank(mine, runtime)
 
 
+def observed_row(trainee: Trainee, times: list[float], runtime, tokens, targets, timeline: bool = False) -> dict:
+    """A trainee's row: its timed steps (with their median and spread), then one more step observed (every byte
+    each rank holds, by the course's count) and one counted (the bytes it sends, by collective and by device)."""
+    memory = observe_memory(trainee, tokens, targets, runtime, timeline=timeline)
+    with TrafficCounter(runtime.world_size) as counted:
+        trainee.step(tokens, targets)
+    return {**summarize_times(times), "times_s": times, "traffic": counted.summary(),
+            "traffic_by_device": dict(counted.bytes_by_device), "memory": {"ranks": memory}}  # fmt: skip
+
+
+def measure_trainees(
+    trainees: dict[str, Trainee], tokens, targets, runtime, steps: int, warmup: int, timeline: bool = False,
+    also_timed: dict | None = None, after=None,
+) -> tuple[dict[str, dict], dict[str, list[float]]]:  # fmt: skip
+    """The benchmarks' shared tail: every trainee (and each of ``also_timed``'s steps) timed round-robin for
+    ``steps`` after ``warmup``, then each trainee observed once (:func:`observed_row`). Each trainee's row by its
+    name, and every series of times."""
+    step_of = {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
+    times = round_robin({**(also_timed or {}), **step_of}, runtime, steps, warmup, after=after)
+    rows = {name: observed_row(t, times[name], runtime, tokens, targets, timeline) for name, t in trainees.items()}
+    return rows, times
+
+
 def cuda_peaks(
     trainee: Trainee,
     tokens: torch.Tensor,
@@ -157,18 +180,11 @@ def main(argv: list[str] | None = None) -> None:
             f"distlab.bench.step: {cfg.model} ({parameters:,} parameters), {cfg.batch_size}x{cfg.seq_len} tokens/rank, "
             f"{runtime.describe()}, {len(names)} strategies x {cfg.steps} steps"
         )
-        steps = {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
-        times = round_robin(steps, runtime, cfg.steps, cfg.warmup)
-        rows = []
-        for name, trainee in trainees.items():
-            memory = observe_memory(trainee, tokens, targets, runtime)
-            with TrafficCounter(runtime.world_size) as counted:
-                trainee.step(tokens, targets)
-            stats = summarize_times(times[name])
-            row = {"strategy": name, **stats, "times_s": times[name], "traffic": counted.summary()}
-            rows.append({**row, "memory": {"ranks": memory}})
-            sent = counted.total_bytes / 2**20
-            runtime.log(f"  {name:<8} median {1e3 * stats['time_s']:8.1f} ms, sends {sent:7.1f} MiB/step")
+        measured, _ = measure_trainees(trainees, tokens, targets, runtime, cfg.steps, cfg.warmup, timeline=True)
+        rows = [{"strategy": name, **row} for name, row in measured.items()]
+        for row in rows:
+            sent = sum(entry["bytes_sent"] for entry in row["traffic"].values()) / 2**20
+            runtime.log(f"  {row['strategy']:<8} median {1e3 * row['time_s']:8.1f} ms, sends {sent:7.1f} MiB/step")
         metrics = {"variants": rows, "parameters": parameters}
         name = cfg.output.name or f"step-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
         finish_run(runtime, cfg.output.out, name, "step_bench", asdict(cfg), metrics)

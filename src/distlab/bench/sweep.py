@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from ..cli import BenchConfig, finish_run, option, parse
-from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
@@ -45,8 +44,8 @@ from ..predict.gpu_predictions import gpu_for
 from ..predict.memory import expected_state_bytes, parameter_shapes, shard_unit_shapes
 from ..runtime import LOW_PRECISION, Runtime, distributed, synchronize
 from . import shard_collectives
-from .harness import Progress, parse_sizes, round_robin, summarize_times
-from .step import Trainee, cuda_peaks, observe_memory, token_batch
+from .harness import Progress, parse_sizes, summarize_times
+from .step import Trainee, cuda_peaks, measure_trainees, observe_memory, token_batch
 
 VARIANTS = {
     "ddp": dict(strategy="ddp"),
@@ -274,14 +273,14 @@ def time_and_observe(
     local = LocalTrainee(model_name, runtime, dtype)
     trainees = {name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
                 for name in names}  # fmt: skip
-    steps = {"local": lambda: local.step(tokens, targets)}
-    steps |= {name: (lambda t=trainee: t.step(tokens, targets)) for name, trainee in trainees.items()}
     work = preset_parameters(model_name) * tokens.numel()  # a step's cost grows about with the model and the batch
-    times = round_robin(
-        steps, runtime, cfg.steps, cfg.warmup, after=lambda name: progress.advance(model_name, name, work=work)
-    )
+    measured, times = measure_trainees(
+        trainees, tokens, targets, runtime, cfg.steps, cfg.warmup,
+        also_timed={"local": lambda: local.step(tokens, targets)},
+        after=lambda name: progress.advance(model_name, name, work=work),
+    )  # fmt: skip
     skip = cfg.warmup
-    rows = [observed_row(name, trainee, times[name], runtime, tokens, targets) for name, trainee in trainees.items()]
+    rows = [{"variant": name, **VARIANTS[name], **row} for name, row in measured.items()]
     units = shard_unit_shapes(local.model)
     local_memory = observe_memory(local, tokens, targets, runtime)
     for rank in local_memory or []:  # the activations' own high-water mark: what the model adds
@@ -300,19 +299,6 @@ def time_and_observe(
     return entry, rows
 
 
-def observed_row(name: str, trainee: Trainee, times: list[float], runtime: Runtime, tokens, targets) -> dict:
-    """A variant's row: its timed steps, then one more step observed (every byte each rank holds, by the course's
-    count) and one counted (the bytes it sends, by collective and by device)."""
-    memory = observe_memory(trainee, tokens, targets, runtime, timeline=False)
-    with TrafficCounter(runtime.world_size) as counted:
-        trainee.step(tokens, targets)
-    return (
-        {"variant": name, **VARIANTS[name], **summarize_times(times), "times_s": times}
-        | {"traffic": counted.summary(), "traffic_by_device": dict(counted.bytes_by_device)}
-        | {"memory": {"ranks": memory}}
-    )
-
-
 def time_each_alone(
     model_name: str, cfg: SweepConfig, runtime: Runtime, progress: Progress, tokens, targets
 ) -> tuple[dict, list[dict]]:
@@ -329,11 +315,11 @@ def time_each_alone(
 
     def measure(built: tuple[str, Trainee], before: int | None) -> dict:
         name, trainee = built
-        times = round_robin(
-            {name: lambda: trainee.step(tokens, targets)}, runtime, cfg.steps, cfg.warmup,
+        measured, _ = measure_trainees(
+            {name: trainee}, tokens, targets, runtime, cfg.steps, cfg.warmup,
             after=lambda done: progress.advance(model_name, done, work=work),
         )  # fmt: skip
-        row = observed_row(name, trainee, times[name], runtime, tokens, targets)
+        row = {"variant": name, **VARIANTS[name], **measured[name]}
         if peaks is not None:  # warm already: the peak of one more step
             row["cuda_memory"] = peaks.measure(trainee, tokens, targets, runtime, warmup=0, resident_before=before)
         return row
