@@ -1,6 +1,8 @@
 """The package's layout keeps the lines its docstrings draw: each package's ``__init__`` says what belongs there
-and, in a line ``May import: ...``, which parts of distlab its modules may import; this test holds every import
-to those lines, finds any import cycle, and keeps the top level and every file small. Reads files only."""
+and, in a line ``May import: ...``, which parts of distlab its modules may import; the top level's modules are
+two tiers, core and run, each with such a line in the package's own docstring. This test holds every import
+(lazy and type-checking ones too) to those lines, finds any cycle among modules and any circle among the tiers
+and packages, and keeps the top level and every file small. Reads files only."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "distlab"
-SPINE = "spine"  # the modules directly under src/distlab, the library ``python -m distlab.train`` runs
 MOST_AT_THE_TOP = 12
 MOST_LINES = 500
 
@@ -23,19 +24,60 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 PACKAGES = sorted({p.parent for p in PACKAGE.rglob("*.py")})
 
 
-def _unit(module: str) -> str:
-    """``spine`` for distlab itself and its top-level modules, else the subpackage's name."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else SPINE
-
-
-def _allowed(package: Path) -> set[str]:
-    """The names on the ``May import:`` line of a package's docstring ('nothing': none)."""
-    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
-    lines = re.findall(r"^May import: (.+)\.$", doc, re.M)
-    assert len(lines) == 1, f"{package.name}/__init__.py: its docstring needs one line 'May import: ...'"
-    names = {name.strip() for name in lines[0].split(",")}
+def _names(line: str) -> set[str]:
+    names = {name.strip() for name in line.split(",")}
     return set() if names == {"nothing"} else names
+
+
+def _tiers() -> dict[str, tuple[set[str], set[str]]]:
+    """``core`` and ``run``: their modules and what they may import, from two lines of the package's docstring
+    (``Core: errors, runtime, ... May import: comm, measure.``)."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())) or ""
+    found = re.findall(r"^(Core|Run): (.+?)\. May import: (.+)\.$", doc, re.M)
+    assert sorted(name for name, _, _ in found) == ["Core", "Run"], "distlab/__init__.py: one Core and one Run line"
+    return {name.lower(): (_names(modules), _names(allowed)) for name, modules, allowed in found}
+
+
+TIERS = _tiers()
+
+
+def _unit(module: str) -> str:
+    """The tier of distlab itself and its top-level modules (``core`` or ``run``), else the package's dotted name
+    below distlab (``exercises.solutions`` for a module of that sub-package)."""
+    parts = module.split(".")
+    package = [part for i, part in enumerate(parts[1:], 1) if (PACKAGE.joinpath(*parts[1 : i + 1])).is_dir()]
+    if package:
+        return ".".join(package)
+    if len(parts) == 1:
+        return "core"  # the package's own __init__: its version and the versions it refuses
+    tier = [name for name, (modules, _) in TIERS.items() if parts[1] in modules]
+    assert len(tier) == 1, f"{module}: name it in one tier line of distlab/__init__.py (Core: or Run:)"
+    return tier[0]
+
+
+def _allowed(unit: str) -> set[str]:
+    """The names on a unit's ``May import:`` line: a tier's in the package docstring, a package's in its own
+    ('nothing': none)."""
+    if unit in TIERS:
+        return TIERS[unit][1]
+    doc = ast.get_docstring(ast.parse(PACKAGE.joinpath(*unit.split("."), "__init__.py").read_text())) or ""
+    lines = re.findall(r"^May import: (.+)\.$", doc, re.M)
+    assert len(lines) == 1, f"{unit}/__init__.py: its docstring needs one line 'May import: ...'"
+    return _names(lines[0])
+
+
+def _may_import(mine: str, imported: str) -> bool:
+    """Whether unit ``mine`` may import module ``imported``: its own unit, its package from a sub-package, a
+    unit on its line, or a top-level module its line names."""
+    theirs, allowed = _unit(imported), _allowed(mine)
+    top_module = imported.split(".")[1] if imported.count(".") >= 1 else ""
+    return (
+        theirs == mine
+        or theirs in allowed
+        or mine.startswith(theirs + ".")
+        and theirs in allowed
+        or (theirs in TIERS and top_module in allowed)
+    )
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -77,31 +119,65 @@ def _imports(module: str) -> list[tuple[str, bool, bool]]:
 
 
 def test_every_package_says_what_belongs_there_and_what_it_may_import():
-    units = {SPINE} | {p.name for p in PACKAGES if p != PACKAGE}
-    top_modules = {m.split(".")[1] for m in MODULES if m.count(".") == 1 and _unit(m) == SPINE}
+    packages = [".".join(p.relative_to(PACKAGE).parts) for p in PACKAGES if p != PACKAGE]
+    top_modules = {m.split(".")[1] for m in MODULES if m.count(".") == 1 and _unit(m) in TIERS}
+    assert top_modules == set().union(*(modules for modules, _ in TIERS.values())), "a tier names no such module"
     for package in PACKAGES:
         init = package / "__init__.py"
         assert init.is_file(), f"{package.relative_to(PACKAGE)} has modules but no __init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.splitlines()[0]) > 20, f"{init.relative_to(PACKAGE)}: say in one line what belongs here"
-        unknown = _allowed(package) - units - top_modules
-        assert not unknown, f"{init.relative_to(PACKAGE)}: may import unknown {sorted(unknown)}"
+        assert not re.search(r"^\s*[*-] :mod:`", doc, re.M), (
+            f"{init.relative_to(PACKAGE)}: no list of the package's modules (the README's tree draws them, and a "
+            "list in a docstring drifts)"
+        )
+    for unit in [*TIERS, *packages]:
+        unknown = _allowed(unit) - set(TIERS) - set(packages) - top_modules
+        assert not unknown, f"{unit}: may import unknown {sorted(unknown)}"
 
 
 def test_imports_cross_only_the_lines_the_package_docstrings_draw():
-    crossings = []
-    for module in MODULES:
-        mine = _unit(module)
-        allowed = _allowed(PACKAGE if mine == SPINE else PACKAGE / mine)
-        for imported, _, _ in _imports(module):
-            theirs = _unit(imported)
-            top_module = imported.split(".")[1] if imported.count(".") >= 1 else ""
-            if theirs == mine or theirs in allowed or (theirs == SPINE and top_module in allowed):
-                continue
-            crossings.append(
-                f"{module} imports {imported} ({mine} may import: {', '.join(sorted(allowed)) or 'nothing'})"
-            )
+    crossings = sorted(
+        {
+            f"{module} imports {imported} ({_unit(module)} may import: {', '.join(sorted(_allowed(_unit(module))))})"
+            for module in MODULES
+            for imported, _, _ in _imports(module)
+            if not _may_import(_unit(module), imported)
+        }
+    )
     assert not crossings, "imports across the lines the package docstrings draw:\n" + "\n".join(crossings)
+
+
+def _outer(unit: str) -> str:
+    return unit.split(".")[0]  # a sub-package belongs to its package
+
+
+def test_no_circle_among_the_tiers_and_packages():
+    """One direction between the tiers and the packages: no import, lazy or for type checking either, goes back
+    up. (``config`` imports the strategies; a strategy that named the configuration's class, even only for
+    type checking, would close the circle config -> parallel -> config.)"""
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for module in MODULES:
+        for imported, _, _ in _imports(module):
+            mine, theirs = _outer(_unit(module)), _outer(_unit(imported))
+            if mine != theirs:
+                graph.setdefault(mine, set()).add(theirs)
+                why.setdefault((mine, theirs), f"{module} imports {imported}")
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = set(), [start]
+        while stack:
+            unit = stack.pop()
+            if unit == goal:
+                return True
+            if unit not in seen:
+                seen.add(unit)
+                stack.extend(graph.get(unit, ()))
+        return False
+
+    back = [why[a, b] + f" ({a} -> {b}, and {b} reaches {a})" for a in graph for b in graph[a] if reaches(b, a)]
+    assert not back, "a circle among tiers and packages:\n" + "\n".join(sorted(back))
 
 
 def test_no_module_level_import_cycle():
@@ -139,4 +215,7 @@ def test_the_checks_see_the_layout():
     # the guard reads what it means to guard: every package, a crossing it allows and one it refuses
     assert {"parallel", "bench", "demos", "plots", "predict"} <= {p.name for p in PACKAGES}
     assert ("distlab.runtime", True, False) in _imports("distlab.train")
-    assert "bench" not in _allowed(PACKAGE / "plots") and "demos" not in _allowed(PACKAGE)
+    assert "bench" not in _allowed("plots") and "parallel" not in _allowed("core") and "parallel" in _allowed("run")
+    assert _unit("distlab.config") == "run" and _unit("distlab.runtime") == "core"
+    assert _unit("distlab.exercises.solutions.zero") == "exercises.solutions"
+    assert not _may_import("parallel", "distlab.config") and _may_import("run", "distlab.parallel.base")

@@ -5,18 +5,21 @@ from-scratch versions the chapters build, and the benchmarks that write
 result files with provenance.
 
 The package is laid out by role. The training library that ``python -m distlab.train`` runs is the flat spine
-at this level, one concept a module: runtime, errors, cli, config, train, data, models, checkpoint, faults,
-results, and testing (real gloo ranks for tests). Around it, one package per role, each of whose docstrings
-says what belongs there and, in its last line, which parts of distlab it may import: parallel (strategies),
-comm (collectives), measure (instruments), predict (analytic models), bench (benchmarks), demos (chapter
-demos), plots (figures) and labs (notebook helpers). Demos, benchmarks and plots use the library, never the
-reverse; predictions use nothing that runs ranks. tests/test_layout.py holds the code to these lines.
+at this level, one concept a module, in two tiers: the core, which knows nothing of strategies, and the run,
+which puts a training run together from the core and the strategies. Around it, one package per role, each of
+whose docstrings says what belongs there and, in its last line, which parts of distlab it may import:
+parallel (strategies), comm (collectives), measure (instruments), predict (analytic models), bench
+(benchmarks), demos (chapter demos), plots (figures), labs (notebook helpers), exercises and gpu_report.
+Demos, benchmarks and plots use the library, never the reverse; predictions use nothing that runs ranks.
+tests/test_layout.py holds the code to these lines, and to one direction between tiers and packages: no
+import, not even one for type checking, closes a circle among them.
+
+Core: errors, runtime, models, results, cli, data. May import: comm, measure.
+Run: config, train, checkpoint, faults, testing. May import: core, parallel, comm, measure.
 
 Supported: Python 3.11 or newer and torch 2.10 or newer (Kaggle's image
 carries Python 3.12 and torch 2.10; the book pins what ``constraints.txt``
 lists). Older versions are refused on import, in one line.
-
-May import: parallel, comm, measure, labs.
 """
 
 import importlib.util

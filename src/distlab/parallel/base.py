@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, ContextManager
+from typing import Any, ClassVar, ContextManager, Protocol
 
 import torch
 import torch.nn as nn
@@ -24,8 +24,15 @@ from ..runtime import LOW_PRECISION, Runtime
 from .checkpoint_state import PER_PARAMETER, CheckpointState
 from .init import materialize
 
-if TYPE_CHECKING:
-    from ..config import ParallelConfig
+
+class StrategySettings(Protocol):
+    """What a strategy reads of a configuration: the strategy's name and its own options
+    (:attr:`Strategy.options`), as attributes. The training configuration's parallel section is one; this
+    package never imports it (the configuration imports the strategies, not the other way round)."""
+
+    strategy: str
+
+    def __getattr__(self, name: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,28 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig) -> MixedPrecision:
+    def from_config(cls, parallel: StrategySettings) -> MixedPrecision:
         """``--fsdp-param-dtype`` and ``--fsdp-reduce-dtype``: by default gradients computed in a low
         precision are reduced in fp32, so the sum over many ranks keeps its bits."""
         param_dtype = LOW_PRECISION.get(parallel.fsdp_param_dtype)
         reduce_dtype = torch.float32 if param_dtype and parallel.fsdp_reduce_dtype == "fp32" else None
         return cls(param_dtype, reduce_dtype)
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """What both strategies that shard the parameters read, FSDP2 and the course's ZeRO-3: whether a unit is
+    freed after its forward (and gathered again in backward), and the dtypes it is gathered and reduced in."""
+
+    reshard_after_forward: bool = True
+    precision: MixedPrecision = MixedPrecision()
+
+    OPTIONS: ClassVar[tuple[str, ...]] = ("fsdp_reshard_after_forward", "fsdp_param_dtype", "fsdp_reduce_dtype")
+    """The configuration's options it reads; each sharding strategy's ``options`` start with these."""
+
+    @classmethod
+    def from_config(cls, parallel: StrategySettings) -> ShardingOptions:
+        return cls(parallel.fsdp_reshard_after_forward, MixedPrecision.from_config(parallel))
 
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -58,7 +81,7 @@ class Strategy:
     keeps, the bytes it sends, the collectives it calls. ``ddp`` is every replicated strategy; a strategy
     whose options change what it keeps (``-no-reshard``) sets it per instance."""
     options: ClassVar[tuple[str, ...]] = ()
-    """The fields of :class:`distlab.config.ParallelConfig` this strategy reads (in ``from_config``); a
+    """The options of a configuration's parallel section this strategy reads (in ``from_config``); a
     configuration that sets another strategy's option is refused."""
     shards_parameters: ClassVar[bool] = False
     """True when each rank holds only a shard of the parameters themselves."""
@@ -71,7 +94,7 @@ class Strategy:
     """How this strategy's checkpoint is laid out; strategies with the same layout load each other's."""
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig) -> Strategy:
+    def from_config(cls, parallel: StrategySettings) -> Strategy:
         """The strategy with the options the ``parallel`` section of a configuration asks for."""
         return cls()
 

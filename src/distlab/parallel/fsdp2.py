@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from ..errors import DistlabError
 from ..models import require_shard_units
-from .base import MixedPrecision, Strategy
+from .base import ShardingOptions, Strategy
 
 try:  # public since torch 2.6
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -34,15 +34,12 @@ class FSDP2(Strategy):
 
     name: ClassVar[str] = "fsdp"
     predicted_by: str = "fsdp"
-    options: ClassVar[tuple[str, ...]] = (
-        "fsdp_reshard_after_forward",
+    options: ClassVar[tuple[str, ...]] = ShardingOptions.OPTIONS + (
         "fsdp_units",
         "fsdp_reshard_to",
         "fsdp_replicate",
         "fsdp_prefetch",
         "fsdp_prefetch_depth",
-        "fsdp_param_dtype",
-        "fsdp_reduce_dtype",
         "fsdp_cpu_offload",
         "fsdp_reshard_between_micro_steps",
     )
@@ -71,11 +68,11 @@ class FSDP2(Strategy):
 
     @classmethod
     def from_config(cls, parallel):
-        precision = MixedPrecision.from_config(parallel)
+        sharding = ShardingOptions.from_config(parallel)
         return cls(
-            parallel.fsdp_reshard_to or parallel.fsdp_reshard_after_forward,
-            param_dtype=precision.param_dtype,
-            reduce_dtype=precision.reduce_dtype,
+            parallel.fsdp_reshard_to or sharding.reshard_after_forward,
+            param_dtype=sharding.precision.param_dtype,
+            reduce_dtype=sharding.precision.reduce_dtype,
             prefetch=parallel.fsdp_prefetch,
             prefetch_depth=parallel.fsdp_prefetch_depth,
             cpu_offload=parallel.fsdp_cpu_offload,

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..errors import DistlabError
 from ..models import require_shard_units
-from .base import MixedPrecision, Strategy, _state_values, _unique
+from .base import MixedPrecision, ShardingOptions, Strategy, _state_values, _unique
 from .checkpoint_state import FLAT, CheckpointState, initialize_optimizer_state
 from .flat_param import (
     COLLECTIVES,
@@ -329,13 +329,7 @@ class Zero3(Strategy):
 
     name: ClassVar[str] = "zero3"
     predicted_by: str = "zero3"
-    options: ClassVar[tuple[str, ...]] = (
-        "fsdp_reshard_after_forward",
-        "zero3_prefetch",
-        "zero_collectives",
-        "fsdp_param_dtype",
-        "fsdp_reduce_dtype",
-    )
+    options: ClassVar[tuple[str, ...]] = ShardingOptions.OPTIONS + ("zero3_prefetch", "zero_collectives")
     shards_parameters: ClassVar[bool] = True
     checkpoint_layout: ClassVar[str] = FLAT
 
@@ -353,12 +347,9 @@ class Zero3(Strategy):
 
     @classmethod
     def from_config(cls, parallel):
-        return cls(
-            parallel.fsdp_reshard_after_forward,
-            parallel.zero3_prefetch,
-            parallel.zero_collectives,
-            MixedPrecision.from_config(parallel),
-        )
+        sharding = ShardingOptions.from_config(parallel)
+        prefetch, collectives = parallel.zero3_prefetch, parallel.zero_collectives
+        return cls(sharding.reshard_after_forward, prefetch, collectives, sharding.precision)
 
     def wrap(self, model, runtime):
         units = require_shard_units(model, self.name)

@@ -1,19 +1,9 @@
 """Figures, labelled from result files, one module per chapter's subject; every plot_* is here too.
 
 Each figure takes result records (as :func:`distlab.results.read_result` returns them) and labels the
-hardware from the records' own environment:
-
-* :mod:`.training`: loss curves, throughput; :mod:`.ddp`: DDP's step times and profiled timeline;
-* :mod:`.collectives`: bus bandwidth, the alpha-beta model, the shard collectives;
-* :mod:`.transfer`: host-to-device copies and overlap against the model; :mod:`.streams`: the stream model's
-  timelines and speed-ups;
-* :mod:`.memory`: memory along a step, state per rank, FSDP2's options; :mod:`.sweep`: the sweep and the cost
-  model; :mod:`.ring_animation`: the ring all-reduce, hop by hop;
-* :mod:`.gpu_report`: a GPU report's bus bandwidth and its strategies against the cost model;
-* :mod:`.common`: labels, titles, animations as HTML.
-
-Every figure is re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and
-predictions; it never imports a benchmark (what it needs of one lives in :mod:`distlab.predict`).
+hardware from the records' own environment. Every figure is re-exported here: ``from distlab import plots;
+plots.plot_busbw(...)``. A figure draws records and predictions; it never imports a benchmark (what it needs of
+one lives in :mod:`distlab.predict`).
 
 May import: config, results, comm, predict.
 """
