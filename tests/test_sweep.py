@@ -105,7 +105,8 @@ def test_the_fsdp2_point_runs_its_variants_alone_uncalibrated_and_the_report_say
     assert {(r["model"], r["tokens_per_rank"]) for r in costmodel.evaluate(tiny_sweep)} == {("gpt-tiny", 4 * 64)}
     rows = summary.sweep(tiny_sweep, None)
     assert [(r["point"], r["model_s"], r["error"]) for r in rows if r["point"] == FSDP2_POINT] == [
-        (FSDP2_POINT, None, None), (FSDP2_POINT, None, None)
+        (FSDP2_POINT, None, None),
+        (FSDP2_POINT, None, None),
     ]
     environment = tiny_sweep["environment"] | {"date": "2026-11-27", "device_kind": "cpu"}
     page = schema.report_markdown({"environment": environment, "summary": {"sweep": rows}, "parts": []})

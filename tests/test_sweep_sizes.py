@@ -50,7 +50,8 @@ def sweep_config(machine: Machine) -> sweep.SweepConfig:
 
 
 @pytest.mark.parametrize(
-    "machine, fsdp2_preset", [(ONE_H200, "gpt-2.7b"), (T4_PAIR, None), (EIGHT_H100, "gpt-2.7b")],
+    "machine, fsdp2_preset",
+    [(ONE_H200, "gpt-2.7b"), (T4_PAIR, None), (EIGHT_H100, "gpt-2.7b")],
     ids=["1xH200", "2xT4", "8xH100"],
 )
 def test_the_plan_sizes_every_strategy_at_a_point_where_compute_is_three_times_its_fixed_costs(machine, fsdp2_preset):
@@ -143,8 +144,14 @@ def test_batch_sizes_name_one_positive_batch_per_preset():
     alone = parse(sweep.SweepConfig, ["--models", "gpt-mini", "--fsdp2-point", "gpt-tiny:3"])
     assert alone.points()[-1] == ("gpt-tiny", 3, sweep.FSDP2_POINT)
     assert alone.variants_at(sweep.FSDP2_POINT) == ["fsdp", "fsdp-no-reshard"] and len(alone.variants_at("")) == 6
-    for bad in (["--batch-sizes", "64"], ["--batch-sizes", "64,0"], ["--batch-sizes", "64,x"],
-                ["--fsdp2-point", "gpt-tiny"], ["--fsdp2-point", "gpt-tiny:0"], ["--fsdp2-point", "gpt-nope:3"]):
+    for bad in (
+        ["--batch-sizes", "64"],
+        ["--batch-sizes", "64,0"],
+        ["--batch-sizes", "64,x"],
+        ["--fsdp2-point", "gpt-tiny"],
+        ["--fsdp2-point", "gpt-tiny:0"],
+        ["--fsdp2-point", "gpt-nope:3"],
+    ):
         with pytest.raises((DistlabError, SystemExit)):
             parse(sweep.SweepConfig, ["--models", "gpt-mini,gpt-small", *bad])
     with pytest.raises((DistlabError, SystemExit)):

@@ -16,6 +16,8 @@ from typing import Mapping
 
 GiB, MiB = 1 << 30, 1 << 20
 
+# Cited text, laid out to be read (one source a line): the formatter leaves it as it is.
+# fmt: off
 # The documents cited more than once.
 T4_SHEET = ("NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
             "tesla-t4/t4-tensor-core-datasheet-951643.pdf")
@@ -46,6 +48,7 @@ PALM = ("Chowdhery et al., 'PaLM: Scaling Language Modeling with Pathways', http
         "Table 3 (MFU): GPT-3 175B on V100 21.3%, Gopher 32.5%, Megatron-Turing NLG 530B on A100 30.2%, PaLM 46.2%")
 
 
+# fmt: on
 @dataclass(frozen=True)
 class GPU:
     """One GPU's cited peaks. FLOP/s are dense; ``mfu`` is the assumed achieved fraction of ``fp16_flops``
@@ -91,6 +94,7 @@ class System:
     sources: Mapping[str, str] = field(repr=False)
 
 
+# fmt: off
 T4 = GPU(
     name="NVIDIA T4 (16 GB, PCIe)",
     memory_bytes=16 * GiB,
@@ -349,6 +353,8 @@ H200X1 = System(
 )
 
 SYSTEMS = {"T4x2": KAGGLE_T4X2, "A100x2": A100X2, "H100x8": H100X8, "H200x8": H200X8, "H200x1": H200X1}
+
+# fmt: on
 
 
 def evidence(spec: GPU | System, field: str) -> str:
