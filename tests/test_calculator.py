@@ -24,6 +24,7 @@ from distlab.predict.calculator import (
     REDUCE_DTYPES,
     ROW_FIELDS,
     STRATEGIES,
+    Inputs,
     Transformer,
     largest_fitting_parameters,
     layer_activation_bytes,
@@ -54,6 +55,11 @@ IN_PAGE = """inputs => {
     constants: null,
   };
 }"""
+
+
+def rows_for(parameters, *machine, **settings) -> list[dict]:
+    """The calculator's rows for a model of ``parameters`` on the machine and run the rest describe."""
+    return memory_per_rank(parameters, Inputs(*machine, **settings))
 
 
 def _in_chromium(inputs: list[dict]) -> dict:
@@ -124,7 +130,7 @@ def test_the_page_and_the_library_agree_to_the_byte():
     answer = run_calculator_js(grid)
     differ = []
     for inputs, browser_rows in zip(grid, answer["rows"], strict=True):
-        library_rows = memory_per_rank(**_library(inputs))
+        library_rows = rows_for(**_library(inputs))
         if browser_rows != library_rows:
             differ.append(f"{inputs}: library {library_rows} page {browser_rows}")
     assert not differ, f"{len(differ)} of {len(grid)} inputs differ, e.g. {differ[0]}"
@@ -148,18 +154,18 @@ def test_the_page_and_the_library_agree_on_the_largest_model_that_fits():
     answer = run_calculator_js(machines)["largest"]
     differ = []
     for inputs, page in zip(machines, answer, strict=True):
-        library = largest_fitting_parameters(**{k: v for k, v in _library(inputs).items() if k != "parameters"})
+        library = largest_fitting_parameters(Inputs(**{k: v for k, v in _library(inputs).items() if k != "parameters"}))
         if page != library:
             differ.append(f"{inputs}: library {library} page {page}")
     assert not differ, f"{len(differ)} of {len(machines)} differ, e.g. {differ[0]}"
 
 
 def test_the_largest_model_that_fits_is_the_threshold():
-    largest = largest_fitting_parameters(2, 16.0, "mixed", "adam", 0.5, 32)
+    largest = largest_fitting_parameters(Inputs(2, 16.0, "mixed", "adam", 0.5, 32))
     for label, parameters in largest.items():
         index = list(STRATEGIES).index(label)
-        assert memory_per_rank(parameters, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
-        assert not memory_per_rank(parameters + 1, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
+        assert rows_for(parameters, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
+        assert not rows_for(parameters + 1, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
     assert largest["DDP, gradient_as_bucket_view"] == (16 * GIB - GIB // 2 - 4) // 16  # 16 B/param, one step counter
     assert largest["DDP, torch's default buckets"] == (16 * GIB - GIB // 2 - 4) // 18  # and 2 B of buckets
 
@@ -195,7 +201,7 @@ def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
         "reduce_dtype": "fp32",
         "transformer": None,
     }
-    rows = {row["strategy"]: row for row in memory_per_rank(**defaults)}
+    rows = {row["strategy"]: row for row in rows_for(**defaults)}
     p, half = 7_000_000_000, 3_500_000_000
     unit_whole = 2 * -(-(p // 32) // 2) * 2  # one 218,750,000-value block, padded to 2 ranks, in bf16
     assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * p + 4  # 2 + 2 + 12 B/param, one Adam step counter
@@ -223,15 +229,15 @@ def test_the_reduce_dtype_choices_say_whose_they_are():
 
 
 def test_memory_per_gpu_decides_fits_at_the_byte():
-    row = memory_per_rank(1_000_000, 1, 1.0, "fp32", "sgd")[1]  # DDP: 12 bytes a parameter, no step counter
+    row = rows_for(1_000_000, 1, 1.0, "fp32", "sgd")[1]  # DDP: 12 bytes a parameter, no step counter
     exactly = row["total"] / GIB
-    assert memory_per_rank(1_000_000, 1, exactly, "fp32", "sgd")[1]["fits"]
-    assert not memory_per_rank(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[1]["fits"]
+    assert rows_for(1_000_000, 1, exactly, "fp32", "sgd")[1]["fits"]
+    assert not rows_for(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[1]["fits"]
 
 
 def test_torch_ddp_under_autocast_holds_20_bytes_a_parameter_with_adam():
     """fp32 parameters (autocast leaves them), gradients, buckets, two moments: 4 + 4 + 4 + 8."""
-    rows = {row["strategy"]: row for row in memory_per_rank(10**9, 2, 80.0, "fp32", "adam")}
+    rows = {row["strategy"]: row for row in rows_for(10**9, 2, 80.0, "fp32", "adam")}
     assert rows["DDP, torch's default buckets"]["total"] == 20 * 10**9 + 4
     assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * 10**9 + 4
 
@@ -240,15 +246,15 @@ def test_bytes_sent_are_the_rings():
     """DDP sends 2(N-1)/N of the gradients; ZeRO-1/2 as much, half of it the gathered parameters; FULL_SHARD
     gathers twice, SHARD_GRAD_OP once. One GPU sends nothing."""
     p, n = 8_000_000, 4
-    sent = {row["strategy"]: row["sent"] for row in memory_per_rank(p, n, 80.0, "mixed", "adam", shard_units=8)}
+    sent = {row["strategy"]: row["sent"] for row in rows_for(p, n, 80.0, "mixed", "adam", shard_units=8)}
     assert sent["DDP, torch's default buckets"] == sent["DDP, gradient_as_bucket_view"] == 2 * 3 * (p // 4) * 4
     assert sent["ZeRO-1"] == sent["ZeRO-2"] == 3 * (p // 4) * (4 + 2)  # fp32 reduce-scatter, 16-bit gather
     assert sent["FSDP FULL_SHARD (ZeRO-3)"] == 3 * (p // 4) * (4 + 2 * 2)  # as many bytes as DDP, not 1.5x
     assert sent["FSDP SHARD_GRAD_OP"] == 3 * (p // 4) * (4 + 2)
-    halved = memory_per_rank(p, n, 80.0, "mixed", "adam", shard_units=8, reduce_dtype="16-bit")
+    halved = rows_for(p, n, 80.0, "mixed", "adam", shard_units=8, reduce_dtype="16-bit")
     assert halved[0]["sent"] == sent["DDP, torch's default buckets"] // 2
     assert halved[4]["sent"] == 3 * (p // 4) * 2 * 3  # in one dtype FULL_SHARD sends 1.5x DDP's bytes
-    assert all(row["sent"] == 0 for row in memory_per_rank(p, 1, 80.0))
+    assert all(row["sent"] == 0 for row in rows_for(p, 1, 80.0))
 
 
 def test_activations_by_korthikanti_et_al():
@@ -257,9 +263,9 @@ def test_activations_by_korthikanti_et_al():
     assert layer_activation_bytes(gpt3_layer) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
     recomputed = Transformer(hidden=12288, heads=96, seq_len=2048, micro_batch=1, recompute=True)
     assert layer_activation_bytes(recomputed) == 2 * 2048 * 12288
-    rows = memory_per_rank(10**9, 2, 80.0, "mixed", shard_units=96, transformer=gpt3_layer)
+    rows = rows_for(10**9, 2, 80.0, "mixed", shard_units=96, transformer=gpt3_layer)
     assert {row["activations"] for row in rows} == {96 * layer_activation_bytes(gpt3_layer)}
-    fp32 = memory_per_rank(10**9, 2, 80.0, "fp32", shard_units=96, transformer=gpt3_layer)
+    fp32 = rows_for(10**9, 2, 80.0, "fp32", shard_units=96, transformer=gpt3_layer)
     assert fp32[0]["activations"] == 2 * rows[0]["activations"]
     assert transformer_from(transformer_inputs(gpt3_layer)) == gpt3_layer
 
@@ -280,6 +286,6 @@ def test_activations_by_korthikanti_et_al():
 def test_bad_input_is_one_line_on_both_sides(bad, says):
     inputs = {"parameters": 1_000_000, "gpus": 2, "memory_gib": 16, "precision": "fp32", "optimizer": "adam"} | bad
     with pytest.raises(ValueError, match=says) as raised:
-        memory_per_rank(**_library(inputs))
+        rows_for(**_library(inputs))
     assert "\n" not in str(raised.value)
     assert "error" in run_calculator_js([inputs])["rows"][0]

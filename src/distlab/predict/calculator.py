@@ -100,29 +100,59 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, layer):
-    """One line saying which input is wrong and what it may be."""
-    if not _whole(parameters) or parameters < 1:
-        raise ValueError(f"parameters must be a whole number of at least 1, not {parameters!r}")
-    if not _whole(gpus) or gpus < 1:
-        raise ValueError(f"gpus must be a whole number of at least 1, not {gpus!r}")
-    if not memory_gib > 0:
-        raise ValueError(f"memory_gib (memory per GPU, GiB) must be positive, not {memory_gib!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
-    if not activations_gib >= 0:
-        raise ValueError(f"activations_gib must be 0 or more, not {activations_gib!r}")
-    if not _whole(shard_units) or not 1 <= shard_units <= parameters:
-        raise ValueError(f"shard_units must be a whole number from 1 to parameters ({parameters}), not {shard_units!r}")
-    if reduce_dtype not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, not {reduce_dtype!r}")
-    if layer is not None:
-        for name in ("hidden", "heads", "seq_len", "micro_batch"):
-            value = getattr(layer, name)
-            if not _whole(value) or value < 1:
-                raise ValueError(f"transformer {name} must be a whole number of at least 1, not {value!r}")
+@dataclass(frozen=True)
+class Inputs:
+    """What the calculator is asked about a machine and a run, whatever the model's size: ``gpus`` of
+    ``memory_gib`` GiB each, the ``precision`` and ``optimizer``, the activations (``activations_gib``, or with
+    ``transformer`` Korthikanti et al.'s count for ``shard_units`` layers), the model cut into ``shard_units``
+    equal units, and the dtype gradients are reduced in (``REDUCE_DTYPES``). Refused in one line if any is
+    wrong (``shard_units`` against a model's size: :meth:`check`)."""
+
+    gpus: int
+    memory_gib: float
+    precision: str = "mixed"
+    optimizer: str = "adam"
+    activations_gib: float = 0.0
+    shard_units: int = DEFAULT_SHARD_UNITS
+    reduce_dtype: str = "fp32"
+    transformer: Transformer | None = None
+
+    def __post_init__(self):
+        if not _whole(self.gpus) or self.gpus < 1:
+            raise ValueError(f"gpus must be a whole number of at least 1, not {self.gpus!r}")
+        if not self.memory_gib > 0:
+            raise ValueError(f"memory_gib (memory per GPU, GiB) must be positive, not {self.memory_gib!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        if not self.activations_gib >= 0:
+            raise ValueError(f"activations_gib must be 0 or more, not {self.activations_gib!r}")
+        if not _whole(self.shard_units) or self.shard_units < 1:
+            raise ValueError(f"shard_units must be a whole number of at least 1, not {self.shard_units!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, not {self.reduce_dtype!r}")
+        if self.transformer is not None:
+            for name in ("hidden", "heads", "seq_len", "micro_batch"):
+                value = getattr(self.transformer, name)
+                if not _whole(value) or value < 1:
+                    raise ValueError(f"transformer {name} must be a whole number of at least 1, not {value!r}")
+
+    def check(self, parameters: int) -> None:
+        """A model of ``parameters`` values, cut into ``shard_units`` units of at least one value each."""
+        if not _whole(parameters) or parameters < 1:
+            raise ValueError(f"parameters must be a whole number of at least 1, not {parameters!r}")
+        if self.shard_units > parameters:
+            raise ValueError(
+                f"shard_units must be a whole number from 1 to parameters ({parameters}), not {self.shard_units!r}"
+            )
+
+    @property
+    def activations(self) -> int:
+        """Bytes of activations a rank holds at its peak, the same for every strategy."""
+        if self.transformer is None:
+            return int(self.activations_gib * GIB)
+        return activation_bytes(self.shard_units, self.transformer, self.precision)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -145,13 +175,13 @@ def bytes_sent(label: str, parameters: int, gpus: int, shard_units: int, gather_
     return (n - 1) * shard * (reduce_bytes + gathers * gather_bytes)
 
 
-def _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype) -> dict:
+def _row(label: str, parameters: int, inputs: Inputs) -> dict:
     """One strategy's row of :func:`memory_per_rank` (inputs already checked)."""
-    strategy = STRATEGIES[label]
+    strategy, gpus, shard_units = STRATEGIES[label], inputs.gpus, inputs.shard_units
     units = equal_units(parameters, shard_units)
-    parameter_bytes, gradient_bytes = BYTES_PER_VALUE[optimizer, precision][:2]
+    parameter_bytes, gradient_bytes = BYTES_PER_VALUE[inputs.optimizer, inputs.precision][:2]
     sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2: one flat buffer per 5 MB bucket
-    state = expected_state_bytes(parameters, strategy, gpus, optimizer, precision, units=sharded_units)
+    state = expected_state_bytes(parameters, strategy, gpus, inputs.optimizer, inputs.precision, units=sharded_units)
     gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
     if label == "DDP, torch's default buckets":
         buckets = parameters * gradient_bytes
@@ -159,48 +189,29 @@ def _row(label, parameters, gpus, memory_gib, precision, optimizer, activations,
         buckets = _ceil(min(parameters, ZERO_BUCKET_VALUES), gpus) * gpus * gradient_bytes
     else:
         buckets = 0
+    activations = inputs.activations
     total = state["parameters"] + state["gradients"] + state["optimizer_state"] + buckets + gathered + activations
-    sent = bytes_sent(label, parameters, gpus, shard_units, parameter_bytes, REDUCE_DTYPES[reduce_dtype])
+    sent = bytes_sent(label, parameters, gpus, shard_units, parameter_bytes, REDUCE_DTYPES[inputs.reduce_dtype])
     return {"strategy": label, **state, "buckets": buckets, "gathered": gathered, "activations": activations} | {
         "total": total,
-        "fits": total <= memory_gib * GIB,
+        "fits": total <= inputs.memory_gib * GIB,
         "sent": sent,
     }
 
 
-def _activations(activations_gib: float, shard_units: int, transformer: Transformer | None, precision: str) -> int:
-    if transformer is None:
-        return int(activations_gib * GIB)
-    return activation_bytes(shard_units, transformer, precision)
-
-
-def memory_per_rank(
-    parameters: int,
-    gpus: int,
-    memory_gib: float,
-    precision: str = "mixed",
-    optimizer: str = "adam",
-    activations_gib: float = 0.0,
-    shard_units: int = DEFAULT_SHARD_UNITS,
-    reduce_dtype: str = "fp32",
-    transformer: Transformer | None = None,
-) -> list[dict]:
-    """Bytes rank 0 holds at its peak under each strategy, whether they fit in ``memory_gib``, and what it sends.
+def memory_per_rank(parameters: int, inputs: Inputs) -> list[dict]:
+    """Bytes rank 0 holds at its peak under each strategy, whether they fit in ``inputs.memory_gib``, and what it
+    sends.
 
     One dict per strategy of :data:`STRATEGIES`, with the keys of :data:`ROW_FIELDS`: the state of
     :func:`distlab.predict.memory.expected_state_bytes`; ``buckets``, torch DDP's second copy of the gradients
     (its default) or the one bucket of whole gradients the course's ZeRO-2 reduces at a time; the whole
     parameters FSDP gathers (one unit at a time with FULL_SHARD, all of them with SHARD_GRAD_OP:
     :func:`distlab.predict.memory.expected_gathered_bytes`) in the parameters' dtype; the activations, the same
-    for every strategy (``activations_gib``, or with ``transformer`` Korthikanti et al.'s count for
-    ``shard_units`` layers); their ``total``; ``fits = total <= memory_gib`` GiB; and ``sent``, the bytes of
-    :func:`bytes_sent` with gradients reduced in ``reduce_dtype``."""
-    _check(parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, transformer)
-    activations = _activations(activations_gib, shard_units, transformer, precision)
-    return [
-        _row(label, parameters, gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype)
-        for label in STRATEGIES
-    ]
+    for every strategy (:attr:`Inputs.activations`); their ``total``; ``fits = total <= memory_gib`` GiB; and
+    ``sent``, the bytes of :func:`bytes_sent` with gradients reduced in ``inputs.reduce_dtype``."""
+    inputs.check(parameters)
+    return [_row(label, parameters, inputs) for label in STRATEGIES]
 
 
 LARGEST_SEARCHED = 10**14
@@ -208,29 +219,18 @@ LARGEST_SEARCHED = 10**14
 below it stays under 2**53, where the page's JavaScript numbers are still exact integers."""
 
 
-def largest_fitting_parameters(
-    gpus: int,
-    memory_gib: float,
-    precision: str = "mixed",
-    optimizer: str = "adam",
-    activations_gib: float = 0.0,
-    shard_units: int = DEFAULT_SHARD_UNITS,
-    reduce_dtype: str = "fp32",
-    transformer: Transformer | None = None,
-) -> dict[str, int]:
-    """The most parameters each strategy fits in ``memory_gib`` per GPU (rows as :func:`memory_per_rank`;
-    with ``transformer`` the activations stay those of its layer, whatever the parameter count).
+def largest_fitting_parameters(inputs: Inputs) -> dict[str, int]:
+    """The most parameters each strategy fits in ``inputs.memory_gib`` per GPU (rows as :func:`memory_per_rank`;
+    with a ``transformer`` the activations stay those of its layer, whatever the parameter count).
 
     A bisection over the parameter count, whose totals never fall as it grows: 0 where even a model of
     ``shard_units`` parameters does not fit, :data:`LARGEST_SEARCHED` where that one still fits."""
-    _check(shard_units, gpus, memory_gib, precision, optimizer, activations_gib, shard_units, reduce_dtype, transformer)
-    activations = _activations(activations_gib, shard_units, transformer, precision)
+    shard_units = inputs.shard_units
     largest = {}
     for label in STRATEGIES:
 
         def fits(parameters: int, label: str = label) -> bool:
-            machine = (gpus, memory_gib, precision, optimizer, activations, shard_units, reduce_dtype)
-            return _row(label, parameters, *machine)["fits"]
+            return _row(label, parameters, inputs)["fits"]
 
         if not fits(shard_units):
             largest[label] = 0
