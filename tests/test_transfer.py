@@ -14,8 +14,8 @@ import matplotlib
 import pytest
 import torch
 
-from distlab.bench import host, transfer
-from distlab.bench.harness import parse_sizes
+from distlab.bench import host, loader, transfer
+from distlab.bench.harness import parse_sizes, take_turns
 from distlab.errors import DistlabError
 from distlab.labs.launch import run_job
 from distlab.predict import stream_results, stream_scenarios, streams
@@ -51,7 +51,7 @@ def test_bandwidth_row_uses_the_median_copy_time():
         lambda: transfer.pinned_loader_cost(),
         lambda: transfer.non_blocking_read_hazard(),
         lambda: transfer.overlap_experiment(),
-        lambda: transfer.loader_end_to_end(None),
+        lambda: loader.loader_end_to_end(None),
         lambda: transfer.measure_gpu([4096], 1, torch.device("cuda", 0)),
     ],
     ids=["bandwidth", "pinning", "pinned_loader", "hazard", "overlap", "loader", "measure_gpu"],
@@ -156,7 +156,7 @@ def test_host_command_line_writes_a_result_with_provenance(tmp_path):
 
 def test_variants_take_turns_after_an_untimed_warm_up():
     calls = []
-    results = transfer.take_turns(
+    results = take_turns(
         ["a", "b", "c"],
         lambda name: calls.append(("run", name)) or len(calls),
         repeats=2,

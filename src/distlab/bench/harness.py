@@ -1,4 +1,4 @@
-"""Timing conventions every benchmark shares (those of nccl-tests).
+"""Timing conventions every benchmark shares (those of nccl-tests), and the one guard of those that need a GPU.
 
 Warm up, then repeat. Variants take turns within each repetition
 (round-robin), so a machine that speeds up or slows down affects all of them
@@ -14,10 +14,22 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from ..errors import DistlabError
-from ..runtime import Runtime, synchronize
+from ..runtime import Runtime, gpu_count, synchronize
+
+
+def require_cuda(what: str) -> torch.device:
+    """The current CUDA device, or one sentence saying this needs a GPU."""
+    if gpu_count() == 0:
+        raise DistlabError(
+            f"{what} needs a CUDA GPU and this machine has none: run it "
+            "on a GPU machine such as a Kaggle 'GPU T4 x2' kernel"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
 
 UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
@@ -103,3 +115,18 @@ class Progress:
             f"  [{'#' * filled}{'-' * (self.width - filled)}] {int(100 * self.done // self.total):3d}% "
             f"{' '.join(what)}: {elapsed / 60:.1f} min so far, about {left / 60:.1f} min left"
         )
+
+
+def take_turns(
+    names: list[str], run: Callable[[str], float], repeats: int, warmup: int = 1, warmup_run=None
+) -> dict[str, list[float]]:
+    """Call ``run(name)`` for every name in turn, ``warmup`` untimed rounds (with
+    ``warmup_run`` if given) and then ``repeats`` rounds; each name's results in order."""
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + repeats):
+        for name in names:
+            if round_ < warmup:
+                (warmup_run or run)(name)
+            else:
+                results[name].append(run(name))
+    return results

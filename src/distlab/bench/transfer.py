@@ -32,21 +32,12 @@ import torch
 import torch.distributed as dist
 
 from ..cli import ResultConfig, finish_run, option, parse
-from ..errors import DistlabError, run_main
+from ..errors import run_main
 from ..predict.streams import MODES
-from ..runtime import Runtime, distributed, gather_per_rank, gpu_count
+from ..runtime import Runtime, distributed, gather_per_rank
 from . import host
-from .harness import parse_sizes, summarize_times
-
-
-def require_cuda(what: str) -> torch.device:
-    """The current CUDA device, or one sentence saying this needs a GPU."""
-    if gpu_count() == 0:
-        raise DistlabError(
-            f"{what} needs a CUDA GPU and this machine has none: run it "
-            "on a GPU machine such as a Kaggle 'GPU T4 x2' kernel"
-        )
-    return torch.device("cuda", torch.cuda.current_device())
+from .harness import parse_sizes, require_cuda, summarize_times, take_turns
+from .loader import loader_end_to_end
 
 
 def bandwidth_row(size: int, direction: str, mode: str, copy_times: list[float], host_times: list[float]) -> dict:
@@ -295,93 +286,6 @@ def overlap_experiment(
         "speedup": serial_s / overlapped_s,
         "timeline": {"serial": serial, "overlapped": overlapped},
     }
-
-
-def take_turns(
-    names: list[str], run: Callable[[str], float], repeats: int, warmup: int = 1, warmup_run=None
-) -> dict[str, list[float]]:
-    """Call ``run(name)`` for every name in turn, ``warmup`` untimed rounds (with
-    ``warmup_run`` if given) and then ``repeats`` rounds; each name's results in order."""
-    results: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + repeats):
-        for name in names:
-            if round_ < warmup:
-                (warmup_run or run)(name)
-            else:
-                results[name].append(run(name))
-    return results
-
-
-_ON = {False: "off", True: "on"}
-LOADER_VARIANTS = {
-    f"pin_memory {_ON[pin]}, non_blocking {_ON[non_blocking]}": dict(pin_memory=pin, non_blocking=non_blocking)
-    for pin in (False, True)
-    for non_blocking in (False, True)
-} | {"device-resident": dict(loader="device")}
-
-
-def loader_end_to_end(
-    runtime,
-    epochs: int = 1,
-    batch_size: int = 128,
-    max_steps: int = 0,
-    synthetic_size: int = 60000,
-    repeats: int = 3,
-    warmup_steps: int = 20,
-) -> list[dict]:
-    """Train the course CNN with each input pipeline on the same GPU(s):
-    pin_memory and non_blocking on and off, and the device-resident loader.
-
-    A warm-up round first (``warmup_steps`` steps of every variant, untimed:
-    lazy CUDA loading, cuDNN, the allocator, worker start-up), then
-    ``repeats`` rounds in which the variants take turns. Returns the median
-    samples/s per variant with its quartiles."""
-    require_cuda("the DataLoader end-to-end comparison")
-    from ..config import TrainConfig
-    from ..train import train
-
-    def config(name: str, steps: int) -> TrainConfig:
-        return TrainConfig.from_flags(
-            strategy="ddp",
-            model="cnn",
-            dataset="synthetic",
-            device="cuda",
-            epochs=epochs,
-            batch_size=batch_size,
-            max_steps=steps,
-            synthetic_size=synthetic_size,
-            num_workers=2,
-            log_every=-1,
-            **LOADER_VARIANTS[name],
-        )
-
-    epochs_seen: dict[str, list[dict]] = {name: [] for name in LOADER_VARIANTS}
-
-    def run(name: str) -> float:
-        record = train(config(name, max_steps), runtime).history[-1]
-        epochs_seen[name].append(record)
-        return record["samples_per_s"]
-
-    warm = lambda name: train(config(name, warmup_steps), runtime)
-    rates = take_turns(list(LOADER_VARIANTS), run, repeats=repeats, warmup=1, warmup_run=warm)
-    rows = []
-    for name, samples in rates.items():
-        stats = summarize_times(samples)  # quartiles of a list of numbers: here samples/s
-        rows.append(
-            {
-                "variant": name,
-                "samples_per_s": stats["time_s"],
-                "samples_per_s_q1": stats["time_q1_s"],
-                "samples_per_s_q3": stats["time_q3_s"],
-                "samples_per_s_runs": samples,
-                "epoch_time_s": summarize_times([r["epoch_time_s"] for r in epochs_seen[name]])["time_s"],
-                "data_wait_s": summarize_times([r["data_wait_s"] for r in epochs_seen[name]])["time_s"],
-                "repeats": repeats,
-                "config": config(name, max_steps).to_dict(),
-            }
-        )
-        runtime.log(f"  {name:<34} {rows[-1]['samples_per_s']:>10,.0f} samples/s (median of {repeats})")
-    return rows
 
 
 def one_rank_at_a_time(runtime: Runtime, measure: Callable[[], dict], group=None) -> dict:
