@@ -15,7 +15,7 @@ tests/test_layout.py holds the code to these lines, and to one direction between
 import, not even one for type checking, closes a circle among them.
 
 Core: errors, runtime, models, results, cli, data. May import: comm, measure.
-Run: config, train, checkpoint, faults, testing. May import: core, parallel, comm, measure.
+Run: config, train, checkpoint, testing. May import: core, parallel, comm, measure.
 
 Supported: Python 3.11 or newer and torch 2.10 or newer (Kaggle's image
 carries Python 3.12 and torch 2.10; the book pins what ``constraints.txt``

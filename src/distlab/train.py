@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpoint import FaultTolerance
 from .cli import finish_run, parse
 from .config import TrainConfig
 from .data import DataOrderCheck, DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
 from .errors import DistlabError, run_main
-from .faults import FaultTolerance
 from .measure.memory import MemoryTracker, state_bytes
 from .models import (
     GPT_PRESETS,
