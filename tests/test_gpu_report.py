@@ -312,3 +312,15 @@ def test_a_several_rank_reports_model_column_says_it_lacks_each_strategys_own_co
     assert page.count("(without the strategy's own cost)") == len(rows)
     (h200,) = [r for r in schema.read_reports(committed_results("gpu")) if "H200" in schema.label(r)]
     assert "without the strategy's own cost" not in schema.report_markdown(h200 | {"summary": summary.of_report(h200)})
+
+
+def test_the_report_knows_the_machine_from_the_one_gpu_survey():
+    """The report's machine is what the labs' and every result file's survey says (measure.hardware.survey), not a
+    second reading of the GPUs: its count, its smallest GPU's memory, bf16 in hardware, the names."""
+    from distlab.measure.hardware import survey
+
+    facts = {"gpus": ["Tesla T4", "Tesla T4"], "memory_bytes": [15_828_320_256, 15_642_132_480], "bf16": False}
+    assert Machine.from_survey(facts) == Machine(2, 15_642_132_480, False, ["Tesla T4", "Tesla T4"])
+    assert Machine.from_survey({"gpus": [], "memory_bytes": [], "bf16": False}) == Machine(0)
+    here = survey(topology=False)
+    assert Machine.here() == Machine.from_survey(here) and {"memory_bytes", "bf16"} <= set(here)

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..bench.sweep import FSDP2_VARIANTS, VARIANTS, resident_bytes_per_rank
 from ..errors import DistlabError
 from ..labs.launch import placement_args, torchrun
@@ -27,7 +25,7 @@ from ..measure.hardware import nccl_settings, survey
 from ..plots.gpu_report import save_pictures
 from ..predict import gpu_predictions
 from ..results import environment, read_result
-from ..runtime import Placement, gpu_count, place
+from ..runtime import Placement, place
 from . import schema, summary
 
 SWEEP_PRESETS = ("gpt-mini", "gpt-small", "gpt-medium")
@@ -74,12 +72,16 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        count = gpu_count()
-        if not count:
+        """This machine, from its one GPU survey (:func:`distlab.measure.hardware.survey`)."""
+        return cls.from_survey(survey(topology=False))
+
+    @classmethod
+    def from_survey(cls, facts: dict) -> Machine:
+        """What the plan needs of a survey: the GPU count, the smallest GPU's memory, bf16, the names."""
+        names = facts["gpus"]
+        if not names:
             return cls(0)
-        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
-        names = [torch.cuda.get_device_name(i) for i in range(count)]
-        return cls(count, memory, torch.cuda.is_bf16_supported(including_emulation=False), names)
+        return cls(len(names), min(facts["memory_bytes"]), facts["bf16"], list(names))
 
 
 def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:

@@ -48,12 +48,15 @@ def _dev_shm(path: str = "/dev/shm") -> dict[str, int] | None:
 
 
 def survey(topology: bool = True) -> dict[str, Any]:
-    """The facts that decide NCCL's transport here. ``peer_access[i][j]``: can GPU i access GPU j's memory
-    (None on the diagonal); an empty list without GPUs. ``topology=False`` skips ``nvidia-smi``."""
+    """The one survey of this machine's GPUs: their names, memory, whether they do bf16 in hardware, and the facts
+    that decide NCCL's transport. ``peer_access[i][j]``: can GPU i access GPU j's memory (None on the diagonal); an
+    empty list without GPUs. ``topology=False`` skips ``nvidia-smi``."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     peer = lambda i, j: None if i == j else torch.cuda.can_device_access_peer(i, j)
     return {
         "gpus": [torch.cuda.get_device_name(i) for i in range(count)],
+        "memory_bytes": [torch.cuda.get_device_properties(i).total_memory for i in range(count)],
+        "bf16": bool(count) and torch.cuda.is_bf16_supported(including_emulation=False),
         "peer_access": [[peer(i, j) for j in range(count)] for i in range(count)],
         "topology": _topology() if count and topology else None,
         "dev_shm": _dev_shm(),
