@@ -70,6 +70,7 @@ class DataParallelWrapper(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.require_sync = True
         self._callback_queued = False
+        self.bucket_of: dict[torch.Tensor, object] = {}  # a bucketed wrapper's: each parameter's bucket
         if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             return  # no weights yet: a wrapper that materialises them from one seed hooks them then
         broadcast_from_rank0(module, group)
@@ -102,7 +103,17 @@ class DataParallelWrapper(nn.Module):
         self.finish_gradient_sync()
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
-        raise NotImplementedError
+        """The hook on every trainable parameter. Under ``no_sync()`` the gradient stays local; otherwise the
+        first gradient of a backward queues the sync at its end, and a bucketed wrapper gets each gradient in
+        its bucket (:meth:`_bucket_ready`)."""
+        if not self.require_sync:
+            return
+        self._on_first_gradient()
+        if param in self.bucket_of:
+            self._bucket_ready(self.bucket_of[param], param)
+
+    def _bucket_ready(self, bucket, param: torch.Tensor) -> None:
+        """``param``'s gradient is ready and belongs to ``bucket``: what a bucketed wrapper does with it."""
 
     def finish_gradient_sync(self) -> None:
         raise NotImplementedError
@@ -114,10 +125,6 @@ class NaiveDDP(DataParallelWrapper):
     def __init__(self, module: nn.Module, group=None, all_reduce: AllReduce | None = None):
         super().__init__(module, group)
         self.all_reduce = all_reduce or (lambda t: dist.all_reduce(t, group=self.group))
-
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if self.require_sync:
-            self._on_first_gradient()
 
     def finish_gradient_sync(self) -> None:
         for grad in self.gradients():
@@ -193,11 +200,7 @@ class BucketedDDP(DataParallelWrapper):
         self.buckets = make_buckets(self.params, int(bucket_cap_mb * 2**20))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
 
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if not self.require_sync:
-            return
-        self._on_first_gradient()
-        bucket = self.bucket_of[param]
+    def _bucket_ready(self, bucket: _Bucket, param: torch.Tensor) -> None:
         bucket.copy_in(param)
         if bucket.complete:
             bucket.flat.div_(self.world_size)  # average before summing: no overflow in low precision

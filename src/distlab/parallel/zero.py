@@ -134,11 +134,7 @@ class ShardedGradients(DataParallelWrapper):
         """The slices this rank's optimizer steps, one per bucket."""
         return [bucket.shard for bucket in self.buckets]
 
-    def _gradient_ready(self, param: torch.Tensor) -> None:
-        if not self.require_sync:
-            return
-        self._on_first_gradient()
-        bucket = self.bucket_of[param]
+    def _bucket_ready(self, bucket: ShardedBucket, param: torch.Tensor) -> None:
         bucket.add_gradient(param)
         if self.during_backward and bucket.complete:
             for earlier in self.buckets:  # one reduce-scatter in flight: the one before is done and freed
