@@ -92,6 +92,37 @@ def overlap_forgets_to_divide(model):
     return finish
 
 
+def overlap_never_waits(model):
+    def launch(p):
+        p.grad /= dist.get_world_size()
+        dist.all_reduce(p.grad, async_op=True)
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+    return lambda: None
+
+
+def overlap_tensor_hook(model):
+    pending = []
+
+    def reduce_in_hook(grad):
+        grad = grad / dist.get_world_size()
+        pending.append(dist.all_reduce(grad, async_op=True))
+        return grad
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(reduce_in_hook)
+
+    def finish():
+        for work in pending:
+            work.wait()
+        pending.clear()
+
+    return finish
+
+
 def shard_ignores_rank(num_samples, world_size, rank, seed, epoch, drop_last):
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
     return order[: num_samples // world_size]
@@ -140,6 +171,8 @@ MISTAKES = [
     ("overlap_gradients", overlap_blocking, "blocking", "waited for inside its hook"),
     ("overlap_gradients", overlap_hooks_frozen, "hooked_frozen", "requires_grad=False"),
     ("overlap_gradients", overlap_forgets_to_divide, "summed", "the sum"),
+    ("overlap_gradients", overlap_never_waits, "never_waited", "without waiting for 3 of the 3 all-reduces"),
+    ("overlap_gradients", overlap_tensor_hook, "reduced_a_copy", "own micro-batch gradient divided by 3"),
     ("shard_indices", shard_ignores_rank, "same_on_every_rank", "every rank got the same"),
     ("shard_indices", shard_without_padding, "uneven_shards", "rank 2 got 3"),
     ("shard_indices", shard_ignores_epoch, "epoch_ignored", "epoch 0 and epoch 1"),

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm.collectives import segment_bounds
-from distlab.exercises.solutions.ring import ring_reduce_scatter
+from distlab.exercises.solutions.ring import ring_all_gather, ring_reduce_scatter
 
 
 def exchange(send, recv):
@@ -55,6 +55,18 @@ def reduce_scatter_by_all_reduce(tensor):
     return tensor[a:b]
 
 
+def reduce_scatter_with_chunk(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = list(tensor.chunk(n))
+    segments += [tensor[:0]] * (n - len(segments))  # chunk gives fewer pieces than n when the tensor is short
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank - hop) % n], arrived)
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
 def all_gather_adds(tensor):
     rank, n = dist.get_rank(), dist.get_world_size()
     segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
@@ -70,6 +82,12 @@ def all_gather_starts_from_rank(tensor):
     segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
     for hop in range(n - 1):
         exchange(segments[(rank - hop) % n], segments[(rank - hop - 1) % n])
+
+
+def all_gather_into_a_copy(tensor):
+    gathered = tensor.clone()
+    ring_all_gather(gathered)
+    return gathered
 
 
 def all_reduce_whole_tensor_ring(tensor):
@@ -90,14 +108,24 @@ def all_reduce_mean(tensor):
     tensor /= dist.get_world_size()
 
 
+def all_reduce_into_a_copy(tensor):
+    summed = tensor.clone()
+    ring_reduce_scatter(summed)
+    ring_all_gather(summed)
+    return summed
+
+
 MISTAKES = [
     ("ring_reduce_scatter", reduce_scatter_keeps_own_segment, "segment_of_rank", "(rank + 1) % n"),
     ("ring_reduce_scatter", reduce_scatter_one_hop_short, "partial_sum", "except rank"),
     ("ring_reduce_scatter", reduce_scatter_send_then_recv, "all_send_first", "waited in send to rank"),
     ("ring_reduce_scatter", reduce_scatter_by_all_reduce, "used_collective", "dist.all_reduce"),
+    ("ring_reduce_scatter", reduce_scatter_with_chunk, "cut_differently", "on 3 ranks (4, 4, 2)"),
     ("ring_all_gather", all_gather_adds, "added_not_copied", "copies each arriving segment"),
     ("ring_all_gather", all_gather_starts_from_rank, "segment_never_arrived", "still holds its old values"),
+    ("ring_all_gather", all_gather_into_a_copy, "not_in_place", "left `tensor` as it was"),
     ("ring_all_reduce", all_reduce_whole_tensor_ring, "sends_too_much", "2(n-1)/n"),
     ("ring_all_reduce", all_reduce_without_gather, "no_all_gather", "holds the full sum"),
     ("ring_all_reduce", all_reduce_mean, "averaged", "divided by the number of ranks"),
+    ("ring_all_reduce", all_reduce_into_a_copy, "not_in_place", "returned a new tensor with the right values"),
 ]

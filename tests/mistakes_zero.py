@@ -43,6 +43,18 @@ def zero1_new_tensor(flat_params, flat_grad, momentum, lr, beta):
     return momentum
 
 
+def zero1_all_reduces_zeroed_buffer(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = flat_grad[mine] if momentum is None else beta * momentum + flat_grad[mine]
+    stepped = flat_params[mine] - lr * momentum
+    flat_params.zero_()  # the other shards arrive by the sum: right values, twice the all-gather's bytes
+    flat_params[mine] = stepped
+    dist.all_reduce(flat_params)
+    return momentum
+
+
 def shard_summed(grad):
     n = dist.get_world_size()
     size = -(-grad.numel() // n)
@@ -179,6 +191,7 @@ MISTAKES = [
     ("zero1_step", zero1_ring_shard, "wrong_shard", "it is shard 1's"),
     ("zero1_step", zero1_without_all_gather, "no_all_gather", "still hold the values before the step"),
     ("zero1_step", zero1_new_tensor, "not_in_place", "its own shard 0"),
+    ("zero1_step", zero1_all_reduces_zeroed_buffer, "all_reduced", "2(n-1)/n = 1.33 times the buffer's bytes"),
     ("zero2_shard_gradient", shard_summed, "summed", "the sum over the 3 ranks"),
     ("zero2_shard_gradient", shard_ring_offset, "wrong_shard", "it is shard 1"),
     ("zero2_shard_gradient", shard_whole_all_reduced, "whole_gradient", "it holds 11 values, the whole gradient's"),
@@ -194,5 +207,5 @@ MISTAKES = [
     ("zero_bytes_per_rank", bytes_zero1_shards_everything, "sharded_too_early", "case 'zero1, fp32'"),
     ("zero_bytes_per_rank", bytes_zero2_divides_parameters, "zero2_wrong_term", "parameters at Ψ=1,000,000, N=3"),
     ("zero_bytes_per_rank", bytes_without_padding, "no_padding", "ceil(Ψ/N)·N = 1,000,002 values"),
-    ("zero_bytes_per_rank", bytes_without_step_counter, "step_counter", "+ 4 (Adam's step counter)"),
+    ("zero_bytes_per_rank", bytes_without_step_counter, "step_counter", "+ 4 (Adam's step counter, on the CPU)"),
 ]

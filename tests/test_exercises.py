@@ -132,6 +132,34 @@ def test_a_collective_only_some_ranks_call_ends_in_time_and_says_so():
     verdict = grade("ring_all_reduce", only_rank_zero_reduces, timeout_s=STUCK_TIMEOUT_S)
     assert verdict.status == "stuck" and verdict.mistake == "collective_mismatch", verdict.message
     assert "rank 0: all_reduce x1" in verdict.message and "rank 1: none" in verdict.message
+    # ranks 1 and 2 returned and stopped at their wrong answer; rank 0's all-reduce failed as they left, at once
+    assert "never finished" not in verdict.message, verdict.message
+    assert float(re.search(r"ended after (\d+\.\d) s", verdict.message)[1]) < STUCK_TIMEOUT_S, verdict.message
+    assert "rank 0 waited in all_reduce" in verdict.message, verdict.message
+    assert "rank 1 did not wait: your function returned, and its tensor was wrong" in verdict.message
+
+
+def overlap_waits_on_futures(model):
+    pending = []
+
+    def launch(p):
+        p.grad /= dist.get_world_size()
+        pending.append(dist.all_reduce(p.grad, async_op=True).get_future())
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        torch.futures.wait_all(pending)
+        pending.clear()
+
+    return finish
+
+
+def test_an_overlap_that_waits_on_the_handles_futures_passes():
+    verdict = grade("overlap_gradients", overlap_waits_on_futures)
+    assert verdict.passed, verdict.message
 
 
 def test_a_rank_that_dies_is_reported_in_one_answer():

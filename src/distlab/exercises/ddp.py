@@ -47,8 +47,11 @@ def _all_reduces(t: Trial, since: int) -> list[dict]:
     return [c for c in t.tracer.calls[since:] if c["op"] == "all_reduce"]
 
 
-def _check_gradients(t: Trial, model, reference: dict, own: dict, since: int, before: dict | None = None) -> None:
-    """Every trainable gradient is the whole batch's; the frozen parameter still has none."""
+def _check_gradients(
+    t: Trial, model, reference: dict, own: dict, since: int, before: dict | None = None, own_divided="local_gradient"
+) -> None:
+    """Every trainable gradient is the whole batch's; the frozen parameter still has none. ``own_divided`` names
+    a gradient that is this rank's own divided by N: an all-reduce that summed some other tensor."""
     n = t.world_size
     for name, p in model.named_parameters():
         if before is not None and not torch.allclose(p.detach().cpu(), before[name], atol=1e-6, rtol=1e-5):
@@ -71,6 +74,10 @@ def _check_gradients(t: Trial, model, reference: dict, own: dict, since: int, be
                        "every parameter, the frozen one included", "averaged_parameters")  # fmt: skip
             said = f"{len(calls)} all-reduce(s) on other tensors" if calls else "no collective at all"
             t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient: {said}", "local_gradient")
+        if n > 1 and got.shape == own[name].shape and torch.allclose(got, own[name] / n):
+            calls = _all_reduces(t, since)
+            said = f"its {len(calls)} all-reduce(s) summed other tensors" if calls else "no collective summed it"
+            t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient divided by {n}: {said}", own_divided)
         if n > 1 and got.shape == reference[name].shape and torch.allclose(got, n * reference[name]):
             t.fail(what, f"it is {n} times the average over the {n} ranks: the sum", "summed")
         t.expect_close(got, reference[name], what)
@@ -108,6 +115,7 @@ def overlap_gradients_trial(t: Trial, fn) -> None:
     model.to(t.device)
     seen: dict[str, int] = {}  # all-reduces started when the last gradient of backward (fc1.weight's) arrived
     model.fc1.weight.register_post_accumulate_grad_hook(lambda p: seen.update(last=len(_all_reduces(t, seen["at"]))))
+    t.tracer.watch_waits = True  # whether finish() waited is read from the handles: values alone race with gloo
     with t.case("registering the hooks"):
         finish = t.call(fn, model)
         if not callable(finish):
@@ -130,7 +138,13 @@ def overlap_gradients_trial(t: Trial, fn) -> None:
                 t.fail(timing, f"{len(blocking)} of its {len(launched)} all-reduces returned before backward went "
                        "on: each was waited for inside its hook", "blocking")  # fmt: skip
             t.call(finish)
-            _check_gradients(t, model, references[step], owns[step], seen["at"])
+            started = _all_reduces(t, seen["at"])
+            unwaited = [c for c in started if not c["done"] and not c.get("waited")]
+            if unwaited:
+                t.fail("finish()", f"it returned without waiting for {len(unwaited)} of the {len(started)} "
+                       f"all-reduces started in backward: until each is waited for, its gradient may still be "
+                       f"rank {r}'s own, divided by {n}", "never_waited")  # fmt: skip
+            _check_gradients(t, model, references[step], owns[step], seen["at"], own_divided="reduced_a_copy")
     t.note(f"when fc1.weight's gradient, the last, arrived, {seen['last']} all-reduce(s) were already in flight.")
 
 
@@ -262,7 +276,7 @@ EXERCISES = (
         "that waits for every all-reduce started (call it after backward, before the optimizer step).",
         signature="def overlap_gradients(model: torch.nn.Module):",
         solution="ddp.overlap_gradients",
-        library="distlab.parallel.mini_ddp.BucketedDDP._gradient_ready",
+        library="distlab.parallel.mini_ddp.BucketedDDP._bucket_ready",
         trial=overlap_gradients_trial,
         mistakes={
             **GRADIENT_MISTAKES,
@@ -273,6 +287,13 @@ EXERCISES = (
             "hooked_frozen": "a hook cannot be registered on a parameter with requires_grad=False (here fc1.bias): "
             "hook only `p.requires_grad` parameters.",
             "no_finish": "return the function that waits for the all-reduces (it takes no argument).",
+            "never_waited": "finish() must wait for every all-reduce started in backward: keep the handle "
+            "dist.all_reduce(..., async_op=True) returns and call its .wait() in finish(). Until then the "
+            "gradient is whatever the all-reduce has reached, often this rank's own divided by N.",
+            "reduced_a_copy": "the all-reduces summed copies, and .grad kept this rank's own gradient divided by N. "
+            "A hook from tensor.register_hook gets the gradient before autograd stores it, and autograd copies "
+            "what the hook returns into .grad at once, before the all-reduce has finished. Use "
+            "p.register_post_accumulate_grad_hook and all-reduce p.grad itself, in place.",
         },
         on_error=_frozen_none,
     ),

@@ -83,8 +83,8 @@ def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout
     workdir = Path(tempfile.mkdtemp(prefix=f"distlab-{name}-"))
     try:
         (workdir / "solution.py").write_text(source)
-        reports, traces, died = _run_ranks(exercise, workdir, fn_name, world, device, timeout_s)
-        return _verdict(exercise, reports, traces, died, world, device, timeout_s)
+        reports, traces, died, ended = _run_ranks(exercise, workdir, fn_name, world, device, timeout_s)
+        return _verdict(exercise, reports, traces, died, world, device, ended)
     except DistlabError as err:
         return Verdict(name, "grader", f"✗ {name}: {err}")
     finally:
@@ -147,8 +147,8 @@ def _main_script_left_behind():
 
 def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, timeout_s: float):
     """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
-    stop what is left. Returns each rank's report (None if it wrote none), its traced calls, and whether any
-    rank ended on its own without a report (rank -> exit code)."""
+    stop what is left. Returns each rank's report (None if it wrote none), its traced calls, whether any
+    rank ended on its own without a report (rank -> exit code), and how the check ended (:class:`Ended`)."""
     context, port = _context(), free_port()
     processes = [
         context.Process(
@@ -176,11 +176,13 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
     deadline = started + STARTUP_S  # until every rank has started
     while time.monotonic() < deadline and any(p.is_alive() for p in processes):
         if all((workdir / f"rank{r}.started").exists() for r in range(world)):
-            deadline = time.monotonic() + timeout_s + 5.0
+            started = time.monotonic()  # the check's own time starts now
+            deadline = started + timeout_s + 5.0
             break
         time.sleep(0.02)
     while time.monotonic() < deadline and any(p.is_alive() for p in processes):
         time.sleep(0.02)
+    ended = Ended(time.monotonic() - started, timed_out=any(p.is_alive() for p in processes), timeout_s=timeout_s)
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -195,7 +197,17 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
             report["printed"] = _read_text(workdir / f"rank{rank}.out")
     traces = [_read_trace(workdir / f"rank{r}.trace.jsonl") for r in range(world)]
     died = {r: p.exitcode for r, p in enumerate(processes) if reports[r] is None and p.exitcode not in (0, -9)}
-    return reports, traces, died
+    return reports, traces, died, ended
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a check's ranks ended: ``elapsed_s`` after they started, stopped by the grader (``timed_out``, after
+    ``timeout_s``) or on their own, as when the ranks a peer waits for stop and close their connections."""
+
+    elapsed_s: float
+    timed_out: bool
+    timeout_s: float
 
 
 def _read_json(path: Path) -> dict | None:
@@ -235,7 +247,7 @@ def _where(device: str, world: int) -> str:
     return f"{world} {'NCCL rank' if device == 'cuda' else 'gloo rank'}{'s' if world > 1 else ''}"
 
 
-def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdict:
+def _verdict(exercise, reports, traces, died, world, device, ended: Ended) -> Verdict:
     name, where = exercise.name, _where(device, world)
 
     def verdict(status: str, message: str, mistake: str | None = None) -> Verdict:
@@ -283,7 +295,7 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
     # a rank that stopped at a wrong answer leaves its peers waiting in the next case: the answer came first
     wrong_came_first = first_wrong_case is not None and stuck_cases and first_wrong_case < min(stuck_cases)
     if waiting and _collective_counts_differ(traces) and not wrong_came_first:
-        return _stuck(exercise, reports, traces, where, timeout_s, verdict)
+        return _stuck(exercise, reports, traces, where, ended, verdict)
     if wrong:
         # the first case that failed, on the rank whose answer tells the mistake apart if one does
         first = min(wrong, key=lambda f: (_case_index(present, f), not f["certain"], f["mistake"] is None, f["rank"]))
@@ -301,7 +313,7 @@ def _verdict(exercise, reports, traces, died, world, device, timeout_s) -> Verdi
             f"✗ {name} ({where}): rank {rank} ended (exit code {code}) before it finished, and "
             f"the other ranks' collectives with it failed. Something in your function ended the process.",
         )
-    return _stuck(exercise, reports, traces, where, timeout_s, verdict)
+    return _stuck(exercise, reports, traces, where, ended, verdict)
 
 
 def _case_index(reports: list[dict], failure: dict) -> int:
@@ -364,18 +376,22 @@ def _collective_counts_differ(traces: list[list[dict]]) -> bool:
     return any(c != counts[0] for c in counts)
 
 
-def _stuck(exercise, reports, traces, where, timeout_s, verdict) -> Verdict:
+def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
     name = exercise.name
     counts = _collective_counts(traces)
-    lines = []
+    lines, waited = [], []
     for rank, calls in enumerate(traces):
         report = reports[rank]
+        failure = report.get("failure") if report else None
         if report is not None and report["status"] == "passed":
             lines.append(f"rank {rank} finished")
-            continue
-        failure = report.get("failure") if report else None
-        place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
-        lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}")
+        elif failure and failure["kind"] == "wrong":
+            lines.append(f"rank {rank} did not wait: your function returned, and its {failure['what']} was wrong "
+                         f"(case {failure['case']!r})")  # fmt: skip
+        else:
+            place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
+            lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}")
+            waited.append(rank)
     pending = [
         _pending(calls) for rank, calls in enumerate(traces) if not (reports[rank] or {}).get("status") == "passed"
     ]
@@ -391,5 +407,15 @@ def _stuck(exercise, reports, traces, where, timeout_s, verdict) -> Verdict:
         mistake = "all_send_first"
     else:
         mistake = "unmatched_p2p"
-    head = f"✗ {name} ({where}): the ranks waited for each other and never finished (stopped after {timeout_s:g} s)."
-    return verdict("stuck", head + "\n  " + "\n  ".join(lines), mistake)
+    stopped = len(waited) < len(traces)
+    if ended.timed_out or ended.elapsed_s >= ended.timeout_s:  # stopped by the grader, or by the ranks' own timeout
+        head = f"the ranks waited for each other and never finished (stopped after {ended.timeout_s:g} s)."
+    elif stopped and waited:  # a rank that stops closes its connections, and a peer waiting on it fails at once
+        who = f"rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))}"
+        head = (
+            f"the ranks did not make matching calls: {who} waited for ranks that had stopped, and the check "
+            f"ended after {ended.elapsed_s:.1f} s."
+        )
+    else:
+        head = f"the ranks waited for each other, and the check ended after {ended.elapsed_s:.1f} s."
+    return verdict("stuck", f"✗ {name} ({where}): {head}\n  " + "\n  ".join(lines), mistake)

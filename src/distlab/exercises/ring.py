@@ -75,6 +75,43 @@ def _which_segment(t: Trial, got, tensor: torch.Tensor, length: int, n: int, rig
         )
 
 
+def _chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
+    """How ``torch.chunk`` cuts ``length`` values into (at most) ``n`` pieces, padded with empty ones to ``n``."""
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(length).chunk(n)]
+    return bounds + [(length, length)] * (n - len(bounds))
+
+
+def _sizes(bounds: list[tuple[int, int]]) -> str:
+    return ", ".join(str(b - a) for a, b in bounds)
+
+
+def _cut_differently(t: Trial, got, total: torch.Tensor, length: int, n: int, right: int) -> None:
+    """A segment summed right but cut as ``torch.chunk`` cuts, which differs from ``segment_bounds`` when n does
+    not divide the length: say so, with both sets of sizes, rather than what the wrong size looks like."""
+    ours, chunks = segment_bounds(length, n), _chunk_bounds(length, n)
+    a, b = chunks[right]
+    if not isinstance(got, torch.Tensor) or (a, b) == ours[right] or b == a or got.shape != (b - a,):
+        return
+    if torch.equal(got.detach().cpu().float(), total[a:b]):
+        t.fail(
+            "returned segment",
+            f"it is the sum of elements {a}..{b - 1}, segment {right} as torch.chunk cuts {length} values on {n} "
+            f"ranks ({_sizes(chunks)}); segment_bounds({length}, {n}) cuts {_sizes(ours)}, and rank {t.rank} "
+            f"finishes elements {ours[right][0]}..{ours[right][1] - 1}",
+            "cut_differently",
+        )
+
+
+def _in_place(t: Trial, result, tensor: torch.Tensor, before: torch.Tensor, expected: torch.Tensor) -> None:
+    """The collective's answer is ``tensor`` itself: a new tensor returned, with ``tensor`` left as it was, fails."""
+    if not isinstance(result, torch.Tensor) or not torch.equal(tensor.detach().cpu(), before):
+        return
+    if result.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        right = result.shape == expected.shape and torch.equal(result.detach().cpu().float(), expected)
+        what = "a new tensor with the right values" if right else "a new tensor"
+        t.fail("tensor", f"your function returned {what} and left `tensor` as it was", "not_in_place")
+
+
 def _expected_bytes(length: int, n: int, hops: int, first_offset: int, rank: int) -> int:
     bounds = segment_bounds(length, n)
     return sum(
@@ -118,6 +155,7 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
             left_out = _ranks_left_out(got, datas, a, b)
             if left_out:
                 t.fail("returned segment", f"it holds the sum over every rank except rank {left_out}", "partial_sum")
+            _cut_differently(t, got, total, length, n, (r + 1) % n)
             _which_segment(t, got, mine, length, n, (r + 1) % n)
             t.expect_close(got, total[a:b], "returned segment", mistakes, _segment_locator(length, n, a))
             _at_most_the_ring_bytes(t, since, _expected_bytes(length, n, n - 1, 0, r), "reduce-scatter")
@@ -137,7 +175,8 @@ def all_gather_trial(t: Trial, fn) -> None:
             since = len(t.tracer.calls)
             result = t.call(fn, tensor)
             _only_p2p(t, since, "all-gather")
-            got = (result if isinstance(result, torch.Tensor) and result.shape == tensor.shape else tensor).cpu()
+            _in_place(t, result, tensor, mine, full)
+            got = tensor.detach().cpu()
             for segment, (lo, hi) in enumerate(bounds):
                 if hi > lo and torch.equal(got[lo:hi], stale[lo:hi]):
                     t.fail(
@@ -167,7 +206,8 @@ def all_reduce_trial(t: Trial, fn) -> None:
             tensor = datas[r].clone().to(t.device)
             result = t.call(fn, tensor)
             _only_p2p(t, since, "all-reduce")
-            got = (result if isinstance(result, torch.Tensor) and result.shape == tensor.shape else tensor).cpu()
+            _in_place(t, result, tensor, datas[r], reference)
+            got = tensor.detach().cpu()
             a, b = segment_bounds(length, n)[(r + 1) % n]
             if length >= n and torch.equal(got[a:b], reference[a:b]) and not torch.equal(got, reference):
                 t.fail("tensor", f"only segment {(r + 1) % n} holds the full sum", "no_all_gather")
@@ -186,6 +226,8 @@ RING_MISTAKES = {
     "averaged": "you divided by the number of ranks. A reduce-scatter and an all-reduce sum; averaging is "
     "the caller's (DDP divides afterwards).",
     "sends_too_much": "each hop should move one segment (S/n bytes), not the whole tensor.",
+    "not_in_place": "the collective works in place, as dist.all_gather_into_tensor and dist.all_reduce do: write "
+    "what arrives into the segments of `tensor` itself. The caller reads `tensor`; a tensor returned is ignored.",
 }
 
 EXERCISES = (
@@ -207,6 +249,10 @@ EXERCISES = (
             "(rank + 1) % n, the one it receives last.",
             "whole_tensor": "you returned the whole tensor. A reduce-scatter leaves each rank one segment of the sum; "
             "return that segment (a view of `tensor` is fine).",
+            "cut_differently": "your segments are cut differently from the course's. segment_bounds(numel, n) "
+            "gives the first numel % n segments one value more (10 values on 3 ranks: 4, 3, 3), where torch.chunk "
+            "cuts pieces of ceil(numel / n) until the values run out (4, 4, 2), and can return fewer than n pieces. "
+            "Cut with segment_bounds, as the ring this check compares with does.",
             "partial_sum": "the segment misses some ranks' values: a segment needs n - 1 hops to collect every "
             "rank's contribution, and at each hop a rank must add what it received into the segment it sends next.",
         },

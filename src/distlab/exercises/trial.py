@@ -61,6 +61,7 @@ class Tracer:
         self.calls: list[dict] = []
         self.inside = False  # torch's send is its isend waited on: only the learner's own call is traced
         self.case = -1  # the index of the case running, set by Trial.case
+        self.watch_waits = False  # an async call's handle reports the learner's wait (a trial that needs it says so)
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed by the rank's exit)
 
     def record(self, op: str, args: tuple, kwargs: dict) -> dict:
@@ -81,6 +82,12 @@ class Tracer:
     def finish(self, call: dict) -> None:
         call["done"] = True
         self.file.write(json.dumps({"n": call["n"], "done": True}) + "\n")
+
+    def waited(self, call: dict, done: bool) -> None:
+        """The learner waited for an async ``call`` (``done``: it has returned), or took its future to wait on."""
+        call["waited"] = True
+        if done and not call["done"]:
+            self.finish(call)
 
     def bytes_sent(self, since: int = 0) -> int:
         sent = 0
@@ -128,9 +135,50 @@ class Tracer:
                 self.inside = False
             if op not in ("isend", "irecv") and not kwargs.get("async_op"):
                 self.finish(call)
+            elif self.watch_waits and isinstance(result, dist.Work):
+                result = WatchedWork(result, functools.partial(self.waited, call))
             return result
 
         return traced
+
+
+class WatchedWork(dist.Work):
+    """The handle an async call returned, which tells the tracer when the learner waits for it. Whether an
+    all-reduce was ever waited for cannot be read from its values: on an idle machine gloo often finishes it
+    before anything looks, so an answer that never waits would pass or fail by chance."""
+
+    def __init__(self, work: dist.Work, on_wait: Callable[[bool], None]):
+        super().__init__()
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args, **kwargs):
+        finished = self._work.wait(*args, **kwargs)
+        self._on_wait(True)
+        return finished
+
+    def is_completed(self) -> bool:
+        completed = self._work.is_completed()
+        if completed:  # a learner's loop that polls until it is done has waited
+            self._on_wait(True)
+        return completed
+
+    def get_future(self):
+        self._on_wait(False)  # what waits on the future is the learner's own code
+        return self._work.get_future()
+
+
+def _delegate(name: str) -> Callable:
+    def method(self, *args, **kwargs):
+        return getattr(self._work, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("block_current_stream", "boxed", "exception", "get_future_result", "is_success", "result",
+              "source_rank", "synchronize", "timeout", "unbox"):  # fmt: skip
+    if hasattr(dist.Work, _name):
+        setattr(WatchedWork, _name, _delegate(_name))
 
 
 class Trial:
@@ -211,23 +259,16 @@ class Trial:
         ``mistakes`` (name -> what that mistake would have produced) it matches."""
         if not isinstance(got, torch.Tensor):
             self.fail(what, f"expected a tensor, got {type(got).__name__}", "not_a_tensor")
-        if tuple(got.shape) != tuple(expected.shape):
-            mistake = next(
-                (name for name, wrong in (mistakes or {}).items() if tuple(wrong.shape) == tuple(got.shape)), None
-            )
-            self.fail(what, f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}", mistake)
         got_c = got.detach().to("cpu", torch.float64)
+        # a mistake is named by the values it gave, never by a shape alone: many mistakes give the same shape
+        matches = [name for name, wrong in (mistakes or {}).items() if _same(got_c, wrong, atol, rtol)]
+        mistake = matches[0] if matches else None
+        if tuple(got.shape) != tuple(expected.shape):
+            self.fail(what, f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}", mistake)
         want = expected.detach().to("cpu", torch.float64)
         bad = ~torch.isclose(got_c, want, atol=atol, rtol=rtol)
         if not bad.any():
             return
-        for name, wrong in (mistakes or {}).items():
-            wrong_c = wrong.detach().to("cpu", torch.float64)
-            if wrong_c.shape == got_c.shape and torch.allclose(got_c, wrong_c, atol=atol, rtol=rtol):
-                mistake = name
-                break
-        else:
-            mistake = None
         flat_bad = bad.reshape(-1).nonzero().flatten()
         first = int(flat_bad[0])
         where = locate(first) if locate else f"element {first}"
@@ -242,6 +283,11 @@ class Trial:
         """Something true of a passing answer worth saying (rank 0's notes are shown)."""
         if text not in self.notes:
             self.notes.append(text)
+
+
+def _same(got: torch.Tensor, wrong: torch.Tensor, atol: float, rtol: float) -> bool:
+    wrong = wrong.detach().to("cpu", torch.float64)
+    return wrong.shape == got.shape and torch.allclose(got, wrong, atol=atol, rtol=rtol)
 
 
 REACH_LIMIT = 200_000

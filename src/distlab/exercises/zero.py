@@ -92,8 +92,9 @@ def _zero1_calls(t: Trial, fn):
             got = {}
 
             def call(got=got, grad=grad, momentum=momentum):  # called as soon as it is yielded
+                since = len(t.tracer.calls)
                 got["momentum"] = t.call(fn, params, grad.to(t.device), momentum, LR, BETA)
-                seen = {"momentum": _cpu(got["momentum"]), "params": _cpu(params)}
+                seen = {"momentum": _cpu(got["momentum"]), "params": _cpu(params), "ops": t.tracer.ops(since)}
                 return partial(_zero1_check, t, seen, before, reference, momentum_all, size, numel)
 
             yield f"{numel} values{f' padded to {padded}' if padded > numel else ''}, step {step}", call
@@ -126,6 +127,10 @@ def _zero1_check(t: Trial, got: dict, before, expected, momentum_all, size: int,
         why = f"{held} the values before the step; only shard {r}, this rank's, is stepped"
         t.fail("flat_params", why, "no_all_gather")
     t.expect_close(params, expected, "flat_params", locate=_locate(size, numel))
+    if "all_reduce" in got["ops"]:  # right values, at twice the all-gather's bytes
+        why = f"it called dist.all_reduce: each rank sent 2(n-1)/n = {2 * (n - 1) / n:.2f} times the buffer's bytes,"
+        t.fail("choice of collective", f"{why} where an all-gather of the shards sends (n-1)/n = {(n - 1) / n:.2f}",
+               "all_reduced")  # fmt: skip
 
 
 # --- ZeRO-2 and ZeRO-3: a shard of the averaged gradient ------------------------------------------------------
@@ -272,7 +277,9 @@ TERMS = ("parameters", "gradients", "optimizer_state")
 DIVIDES = {"ddp": (), "zero1": TERMS[2:], "zero2": TERMS[1:], "zero3": TERMS}
 """The terms each stage divides by N."""
 COUNTER = 4
-"""Adam's float32 step counter, one per tensor it steps (one flat tensor here)."""
+"""Adam's float32 step counter, one per tensor it steps (one flat tensor here). torch keeps it on the CPU unless
+Adam is capturable or fused: on gloo, as the course runs, it is the rank's memory like the rest; on a GPU it is
+host memory, not the GPU's."""
 PSIS, WORLD_SIZES = (1_000_000, 7_000_000_001), (1, 3, 8)
 """Ψ that divides by 8 and not by 3, and a 7B model that divides by neither."""
 
@@ -291,7 +298,7 @@ def _count(
         values, said = [psi], f"Ψ = {psi:,} values"
     per_value = BYTES_PER_VALUE["adam", precision][TERMS.index(term)] - (0 if master else 4)
     extra = COUNTER if term == "optimizer_state" and counter else 0
-    said += f" × {per_value} bytes" + (" + 4 (Adam's step counter)" if extra else "")
+    said += f" × {per_value} bytes" + (" + 4 (Adam's step counter, on the CPU)" if extra else "")
     return [v * per_value + extra for v in values], said
 
 
@@ -359,8 +366,8 @@ EXERCISES = (
         page="fsdp_from_scratch",
         task="Every rank holds the whole padded `flat_params` and the whole averaged `flat_grad`. Step only this "
         "rank's shard r (SGD with momentum: m = beta * m + g, p -= lr * m, with `momentum` this shard's state, None "
-        "at the first step), all-gather every rank's stepped shard into `flat_params` in place, and return the new "
-        "momentum of this rank's shard.",
+        "at the first step), all-gather every rank's stepped shard into `flat_params` in place (an all-gather: an "
+        "all-reduce of the buffer would send twice the bytes), and return the new momentum of this rank's shard.",
         signature="def zero1_step(flat_params: torch.Tensor, flat_grad: torch.Tensor, momentum, lr: float, "
         "beta: float) -> torch.Tensor:",
         solution="zero.zero1_step",
@@ -375,6 +382,9 @@ EXERCISES = (
             "stepped shard into flat_params (all_gather_flat(stepped_shard, flat_params.numel()), then copy).",
             "not_in_place": "flat_params must hold the new values when your function returns: write into it "
             "(the all-gather's output is flat_params itself) rather than making a new tensor.",
+            "all_reduced": "an all-reduce of flat_params with the other shards zeroed gives every rank the right "
+            "values, but sends twice the bytes: 2(n-1)/n of the buffer from each rank, where an all-gather of the "
+            "stepped shards sends (n-1)/n. All-gather them: all_gather_flat(stepped_shard, flat_params.numel()).",
         },
     ),
     Exercise(
@@ -413,7 +423,8 @@ EXERCISES = (
         name="zero_bytes_per_rank",
         page="fsdp_from_scratch",
         task="Return the bytes one rank holds for training with Adam, as a dict with keys parameters, gradients and "
-        "optimizer_state, for strategy ddp, zero1, zero2 or zero3, world_size N and precision fp32 or mixed.",
+        "optimizer_state, for strategy ddp, zero1, zero2 or zero3, world_size N and precision fp32 or mixed. Count "
+        "as on the CPU, where the course runs: Adam's 4-byte step counter is then the rank's memory too.",
         signature="def bytes_per_rank(num_params: int, strategy: str, world_size: int, precision: str) -> dict:",
         solution="zero.bytes_per_rank",
         library="distlab.predict.memory.expected_state_bytes",
@@ -431,7 +442,8 @@ EXERCISES = (
             "no_padding": "a ZeRO stage pads its flat buffer with zeros to a multiple of N: a shard holds "
             "ceil(Ψ/N) values, and a whole buffer ceil(Ψ/N)·N (DDP holds exactly Ψ).",
             "step_counter": "Adam keeps a 4-byte step counter beside its moments, one per tensor it steps (one flat "
-            "tensor here): add 4 to the optimizer state.",
+            "tensor here): add 4 to the optimizer state. torch keeps it on the CPU, so it counts here, on gloo; on a "
+            "GPU it stays on the host (unless Adam is capturable or fused) and the GPU holds 4 bytes less.",
         },
     ),
 )

@@ -122,7 +122,10 @@ def expected_state_bytes(
       Adam state is unpadded, this ``rank``'s own rows (rank 0 holds the most).
 
     Adam's ``step`` counters count one per tensor stepped: every parameter, but one flat
-    shard per bucket for zero1/zero2 and one per unit for zero3. ``units`` are the trainable
+    shard per bucket for zero1/zero2 and one per unit for zero3. They are CPU tensors (torch
+    keeps ``step`` on the host unless Adam is capturable or fused), so they are the rank's
+    memory on gloo, as the course measures it; on a GPU they are host memory, and the GPU
+    holds 4 bytes less per tensor than this counts. ``units`` are the trainable
     parameters' shapes by shard unit (:func:`shard_unit_shapes`); without them the model
     is one flat tensor of ``parameters`` values. zero1/zero2 cut their buckets from the
     shapes in the order given (:func:`gradient_buckets`, 5 MB each): a model under

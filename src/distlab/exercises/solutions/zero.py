@@ -55,5 +55,5 @@ def bytes_per_rank(num_params, strategy, world_size, precision):
     return {
         "parameters": param_bytes * (shard if stage >= 3 else whole),
         "gradients": grad_bytes * (shard if stage >= 2 else whole),
-        "optimizer_state": state_bytes * (shard if stage >= 1 else whole) + 4,  # + Adam's step counter
+        "optimizer_state": state_bytes * (shard if stage >= 1 else whole) + 4,  # + Adam's step counter, a CPU tensor
     }
