@@ -324,3 +324,15 @@ def test_the_report_knows_the_machine_from_the_one_gpu_survey():
     assert Machine.from_survey({"gpus": [], "memory_bytes": [], "bf16": False}) == Machine(0)
     here = survey(topology=False)
     assert Machine.here() == Machine.from_survey(here) and {"memory_bytes", "bf16"} <= set(here)
+
+
+def test_a_quick_report_on_a_gpu_sweeps_the_launch_bound_point_and_one_sized_preset():
+    """``--quick`` (the GPU tests' report) keeps the sweep to its launch-bound point and its smallest sized preset:
+    the FSDP2 point, a 2.7-billion-parameter model, has a GPU test of its own."""
+    h200 = Machine(1, 140 * GIB, True, ["NVIDIA H200"])
+    (full,) = [part for part in plan(h200) if part.name == "sweep"]
+    (quick,) = [part for part in plan(h200, quick=True) if part.name == "sweep"]
+    assert "--fsdp2-point" in full.args and "--fsdp2-point" not in quick.args
+    assert quick.args[quick.args.index("--models") + 1] == "gpt-mini"
+    first_sized = full.args[full.args.index("--batch-sizes") + 1].split(",")[0]
+    assert quick.args[quick.args.index("--batch-sizes") + 1] == first_sized
