@@ -276,7 +276,8 @@ def test_a_report_names_no_machine(cpu_report, tmp_path, monkeypatch):
 
     assert "hostname" not in environment()
     folder = _copy(cpu_report, tmp_path, "named")
-    monkeypatch.setattr(run, "machine_names", lambda: {"alice-laptop", "alice-laptop.home"})
+    # the short name first, as a set may give it: replacing it first would leave "<host>.home"
+    monkeypatch.setattr(run, "machine_names", lambda: ["alice-laptop", "alice-laptop.home"])
     _edit(folder, "host.json", lambda r: r["environment"].update(command="ssh alice-laptop.home python -m x"))
     run.scrub(folder)
     text = (folder / "host.json").read_text()

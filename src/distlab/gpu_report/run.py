@@ -224,7 +224,10 @@ def not_run(machine: Machine) -> list[dict]:
 def scrub(folder: Path) -> None:
     """Take this machine's paths and its name out of every text file: a report is shared."""
     here = str(folder.resolve())
-    names = [re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])") for name in machine_names()]
+    # the longest first: a short name inside a longer one (alice-laptop in alice-laptop.home) would leave its tail
+    names = [
+        re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])") for name in sorted(machine_names(), key=len, reverse=True)
+    ]
     for path in folder.glob("*.json"):
         text = schema.MACHINE_PATH.sub("<path>", path.read_text().replace(here, ".").replace(str(folder), "."))
         for name in names:
