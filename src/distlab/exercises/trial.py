@@ -142,13 +142,13 @@ class Tracer:
         return traced
 
 
-class WatchedWork(dist.Work):
+class WatchedWork:
     """The handle an async call returned, which tells the tracer when the learner waits for it. Whether an
     all-reduce was ever waited for cannot be read from its values: on an idle machine gloo often finishes it
-    before anything looks, so an answer that never waits would pass or fail by chance."""
+    before anything looks, so an answer that never waits would pass or fail by chance. Everything else is the
+    handle's own."""
 
     def __init__(self, work: dist.Work, on_wait: Callable[[bool], None]):
-        super().__init__()
         self._work, self._on_wait = work, on_wait
 
     def wait(self, *args, **kwargs):
@@ -166,19 +166,8 @@ class WatchedWork(dist.Work):
         self._on_wait(False)  # what waits on the future is the learner's own code
         return self._work.get_future()
 
-
-def _delegate(name: str) -> Callable:
-    def method(self, *args, **kwargs):
-        return getattr(self._work, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-for _name in ("block_current_stream", "boxed", "exception", "get_future_result", "is_success", "result",
-              "source_rank", "synchronize", "timeout", "unbox"):  # fmt: skip
-    if hasattr(dist.Work, _name):
-        setattr(WatchedWork, _name, _delegate(_name))
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 class Trial:
