@@ -81,7 +81,11 @@ def _command_line() -> str:
 
 def environment(runtime: Runtime | None = None) -> dict[str, Any]:
     """What a reader needs to know to trust, or redo, a measurement: versions,
-    machine, commit, command, and where the job ran (backend, ranks, device)."""
+    machine, commit, command, and where the job ran (backend, ranks, device). The GPUs are the machine's one
+    survey's (:func:`distlab.measure.hardware.survey`)."""
+    from .measure.hardware import survey
+
+    facts = survey(topology=False)
     env: dict[str, Any] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -90,17 +94,15 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available()
-        else [],
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "gpus": facts["gpus"],
+        "nccl": facts["nccl"],
         "git_commit": _git_commit(),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": _command_line(),
         "backend": None,
         "world_size": 1,
     }
-    env["nccl_transport"] = nccl_transport()
+    env["nccl_transport"] = nccl_transport(facts)
     if runtime is not None:
         device = runtime.device
         env.update(backend=runtime.backend, world_size=runtime.world_size, device=str(device))
@@ -108,12 +110,11 @@ def environment(runtime: Runtime | None = None) -> dict[str, Any]:
     return env
 
 
-def nccl_transport() -> dict[str, Any]:
-    """What decides how NCCL moves data between this machine's GPUs: the ``NCCL_*``
+def nccl_transport(facts: dict[str, Any]) -> dict[str, Any]:
+    """What decides how NCCL moves data between this machine's GPUs, from its survey: the ``NCCL_*``
     settings in effect, peer access between every pair of GPUs, and ``/dev/shm``."""
-    from .measure.hardware import nccl_settings, survey
+    from .measure.hardware import nccl_settings
 
-    facts = survey(topology=False)
     return {"settings": nccl_settings(), "peer_access": facts["peer_access"], "dev_shm": facts["dev_shm"]}
 
 
