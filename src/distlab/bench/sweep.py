@@ -163,6 +163,21 @@ def variant_config(name: str, precision: str) -> ParallelConfig:
     return ParallelConfig(**VARIANTS[name], **({"fsdp_param_dtype": precision} if low else {}))
 
 
+def variant_trainee(name: str, model_name: str, cfg: SweepConfig, runtime: Runtime) -> Trainee:
+    """One variant of the sweep built for ``model_name``, under ``cfg.precision``'s autocast."""
+    dtype = LOW_PRECISION.get(cfg.precision)
+    return Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
+
+
+def model_entry(model: torch.nn.Module) -> dict:
+    """What the cost model reads of a point's model: its parameter count, shard units and registration order."""
+    return {
+        "parameters": count_parameters(model),
+        "units": [[list(shape) for shape in unit] for unit in shard_unit_shapes(model)],
+        "parameter_shapes": [list(shape) for shape in parameter_shapes(model)],
+    }
+
+
 def preset_parameters(model_name: str) -> int:
     return count_parameters(build_model(model_name, device="meta"))
 
@@ -271,8 +286,7 @@ def time_and_observe(
     names = cfg.variants.split(",")
     dtype = LOW_PRECISION.get(cfg.precision)
     local = LocalTrainee(model_name, runtime, dtype)
-    trainees = {name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
-                for name in names}  # fmt: skip
+    trainees = {name: variant_trainee(name, model_name, cfg, runtime) for name in names}
     work = preset_parameters(model_name) * tokens.numel()  # a step's cost grows about with the model and the batch
     measured, times = measure_trainees(
         trainees, tokens, targets, runtime, cfg.steps, cfg.warmup,
@@ -281,14 +295,10 @@ def time_and_observe(
     )  # fmt: skip
     skip = cfg.warmup
     rows = [{"variant": name, **VARIANTS[name], **row} for name, row in measured.items()]
-    units = shard_unit_shapes(local.model)
     local_memory = observe_memory(local, tokens, targets, runtime)
     for rank in local_memory or []:  # the activations' own high-water mark: what the model adds
         rank["activations_peak"] = max(sample["activations"] for sample in rank.pop("timeline"))
-    entry = {
-        "parameters": count_parameters(local.model),
-        "units": [[list(shape) for shape in unit] for unit in units],
-        "parameter_shapes": [list(shape) for shape in parameter_shapes(local.model)],
+    entry = model_entry(local.model) | {
         "local": {
             **summarize_times(times["local"]),
             "compute_s": summarize_times(local.compute_s[skip:])["time_s"],
@@ -306,12 +316,11 @@ def time_each_alone(
     ``cfg.warmup``, observed as every row is, and, where the device counts its own peak, measured by it. There is
     no calibration copy (the model is chosen too large for one beside a variant), so the entry has no ``local``
     and says it is not ``calibrated``."""
-    dtype = LOW_PRECISION.get(cfg.precision)
     peaks = device_peaks(runtime)
     work = preset_parameters(model_name) * tokens.numel()
 
     def build(name: str) -> tuple[str, Trainee]:
-        return name, Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype)
+        return name, variant_trainee(name, model_name, cfg, runtime)
 
     def measure(built: tuple[str, Trainee], before: int | None) -> dict:
         name, trainee = built
@@ -326,14 +335,7 @@ def time_each_alone(
 
     kept = {"before": peaks.allocated, "release": peaks.release} if peaks is not None else {}
     rows = list(each_alone(cfg.variants_at(FSDP2_POINT), build, measure, **kept).values())
-    model = build_model(model_name, device="meta")
-    entry = {
-        "parameters": count_parameters(model),
-        "units": [[list(shape) for shape in unit] for unit in shard_unit_shapes(model)],
-        "parameter_shapes": [list(shape) for shape in parameter_shapes(model)],
-        "calibrated": False,
-    }
-    return entry, rows
+    return model_entry(build_model(model_name, device="meta")) | {"calibrated": False}, rows
 
 
 def measure_preset(
@@ -354,10 +356,9 @@ def measure_preset(
     # them), and each variant is built again, alone.
     peaks = device_peaks(runtime)
     if peaks is not None:
-        dtype = LOW_PRECISION.get(cfg.precision)
         alone = each_alone(
             [row["variant"] for row in rows],
-            lambda name: Trainee(variant_config(name, cfg.precision), model_name, runtime, autocast_dtype=dtype),
+            lambda name: variant_trainee(name, model_name, cfg, runtime),
             lambda trainee, before: peaks.measure(trainee, tokens, targets, runtime, warmup=1, resident_before=before),
             before=peaks.allocated,
             release=peaks.release,
