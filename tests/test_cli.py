@@ -97,6 +97,34 @@ def test_single_on_real_mnist_files(tmp_path, tiny_mnist):
     assert record["metrics"]["epochs"][0]["steps"] == 3
 
 
+def test_an_entry_point_parses_its_command_line_with_the_config_a_launcher_checks():
+    from dataclasses import dataclass
+
+    from distlab.cli import entry_point, option, parse_or_refuse
+
+    @dataclass
+    class Greeting:
+        """Say hello."""
+
+        times: int = option(1, "how many times")
+
+    runs = []
+
+    @entry_point(Greeting, "distlab.greeting")
+    def main(cfg: Greeting) -> None:
+        """Greets."""
+        runs.append(cfg)
+
+    main(["--times", "3"])
+    assert runs == [Greeting(times=3)] and main.config is Greeting
+    assert main.__name__ == "main" and main.__doc__ == "Greets."
+    with pytest.raises(SystemExit) as refused:  # what a rank would do with a bad flag ...
+        main(["--times", "three"])
+    assert refused.value.code == 2 and len(runs) == 1
+    with pytest.raises(DistlabError, match="distlab.greeting: .*--times"):  # ... which a launcher says first
+        parse_or_refuse(main.config, ["--times", "three"], "distlab.greeting")
+
+
 def test_help_explains_every_flag():
     out = run_job([sys.executable, "-m", "distlab.train", "--help"], timeout=60).stdout
     for flag in (

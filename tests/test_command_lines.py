@@ -1,8 +1,9 @@
 """Every command line the course runs or prints parses, checked on the CPU in seconds, nothing launched: the GPU
 report's plan for machines of 0 to 8 GPUs, and every ``-m distlab.X ...`` line in the notebooks, the book, the
 README and ``scripts/reproduce_results.sh``, with the notebooks' placement variables (``{DEVICE}``, ``{NPROC}``)
-taken from :func:`distlab.runtime.place` for 0, 1 and 2 GPUs. Each entry point names the configuration its
-``main`` parses (``CONFIG``), so the check needs no guess about which class that is.
+taken from :func:`distlab.runtime.place` for 0, 1 and 2 GPUs. Each entry point's ``main`` is made by
+:func:`distlab.cli.entry_point` from the configuration it parses (``main.config``), so the check needs no guess
+about which class that is.
 
 The GPU report's first run (an H200, at af2257a) failed where this check would have caught it on any CPU:
 ``--device cuda`` given to ``distlab.bench.transfer``, whose parser refuses it."""
@@ -12,7 +13,6 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import inspect
 import json
 import os
 import pkgutil
@@ -70,7 +70,7 @@ def test_every_part_of_the_gpu_report_parses_with_its_entry_points_config(machin
     for part in plan(machine):
         if part.skip:
             continue
-        assert config_of(part.target) is not None, f"{part.name}: {part.target} names no CONFIG"
+        assert config_of(part.target) is not None, f"{part.name}: {part.target}'s main names no configuration"
         args = [*part.args, "--out", "r", "--name", part.name]  # what run_part adds
         why = refusal(part.target, args)
         if why:
@@ -265,7 +265,7 @@ def every_command() -> list[tuple[str, str, str]]:
 
 
 def check_commands(lines: list[tuple[str, str, str]]) -> tuple[list[str], set[str], list[str], list[str]]:
-    """(what parsed, modules with no CONFIG, what was refused, what could not be resolved)."""
+    """(what parsed, modules whose main names no configuration, what was refused, what could not be resolved)."""
     checked, unconfigured, refused, unknown = [], set(), [], []
     for placement, where, line in lines:
         try:
@@ -290,7 +290,7 @@ def check_commands(lines: list[tuple[str, str, str]]) -> tuple[list[str], set[st
 def test_every_distlab_command_line_in_the_notebooks_book_readme_and_script_parses():
     checked, unconfigured, refused, unknown = check_commands(every_command())
     assert not refused, "command lines their entry point refuses:\n" + "\n".join(refused)
-    assert unconfigured <= set(NO_CONFIG), f"entry points with no CONFIG to check their command lines: {unconfigured}"
+    assert unconfigured <= set(NO_CONFIG), f"entry points with no configuration to check: {unconfigured}"
     sources = {label.split(":")[0].split(" cell ")[0].split(" (inline)")[0] for label in checked}
     # the lines this test finds today: it fails if the extraction silently stops finding them
     assert len({label.split(" [")[0] for label in checked}) >= 30, (checked, unknown)
@@ -329,17 +329,14 @@ def _entry_points() -> list[types.ModuleType]:
 
 
 def test_every_bench_and_demo_entry_point_names_the_config_its_main_parses():
-    missing, wrong = [], []
+    missing = []
     for module in _entry_points():
         if module.__name__ in NO_CONFIG:
             continue
-        config = getattr(module, "CONFIG", None)
+        config = getattr(module.main, "config", None)
         if not (isinstance(config, type) and is_dataclass(config)):
             missing.append(module.__name__)
-        elif f"parse({config.__name__}," not in inspect.getsource(module.main):
-            wrong.append(f"{module.__name__}: CONFIG = {config.__name__}, which its main does not parse")
     assert len(_entry_points()) >= 13
-    assert not missing, f"entry points with a main and no CONFIG = <its configuration class>: {missing}"
-    assert not wrong, "\n".join(wrong)
+    assert not missing, f"entry points whose main is not made by distlab.cli.entry_point(<its config>): {missing}"
     report = importlib.import_module("distlab.gpu_report.__main__")
     assert entry_config("distlab.gpu_report") is report.GpuReportConfig

@@ -5,18 +5,20 @@ field that is itself a dataclass is a section, whose fields become flags of
 the same command line (``--fsdp-reshard-after-forward`` stays one flag even
 though it lives in the ``parallel`` section). :func:`parse` builds the
 parser from the dataclass, so the documentation and the flags cannot drift
-apart, and :func:`finish_run` is the rank-0 tail every entry point shares:
+apart; :func:`entry_point` makes a module's ``main(argv)`` from its
+configuration and the function that runs it; and :func:`finish_run` is the rank-0 tail every entry point shares:
 write the result file, say where it went.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from .errors import DistlabError
 from .results import write_result
@@ -115,6 +117,23 @@ def parse(cls: type[Config], argv: list[str] | None, entry_point: str = "") -> C
     """The configuration a command line asks for; validated if it can validate itself.
     The entry point is the class's module unless named; the class's docstring is the description."""
     return _parse_with(cls, _parser_for(cls, entry_point), argv)
+
+
+def entry_point(config: type[Config], name: str = "") -> Callable[[Callable[[Config], None]], Callable[..., None]]:
+    """Decorates ``main(cfg)``, the function that runs a parsed configuration, into the module's
+    ``main(argv=None)``: the command line parsed with ``config`` (for ``name``, else the class's module), then the
+    run. ``main.config`` is the class, which a launcher parses a command line with before any rank starts
+    (:func:`distlab.labs.launch.entry_config`): one declaration, so what is checked is what runs."""
+
+    def make_main(run: Callable[[Config], None]) -> Callable[..., None]:
+        @functools.wraps(run)
+        def main(argv: list[str] | None = None) -> None:
+            run(parse(config, argv, name))
+
+        main.config = config
+        return main
+
+    return make_main
 
 
 def parse_or_refuse(cls: type[Config], argv: list[str], entry_point: str) -> Config:

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoint import FaultTolerance
-from .cli import finish_run, parse
+from .cli import entry_point, finish_run
 from .config import TrainConfig
 from .data import DataOrderCheck, DeviceResidentLoader, SampledLoader, eval_loader, load_datasets
 from .errors import DistlabError, run_main
@@ -461,12 +461,8 @@ def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
         torch.save(state, path.with_suffix(".pt"))
 
 
-CONFIG = TrainConfig
-"""The command line of ``python -m distlab.train`` (launchers parse it before starting ranks)."""
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(TrainConfig, argv, "distlab.train")
+@entry_point(TrainConfig, "distlab.train")
+def main(cfg: TrainConfig) -> None:
     with distributed(cfg.parallel.device, cfg.parallel.backend, cfg.parallel.timeout_s) as runtime:
         # A function, so that the wrapped model, which holds the process group, is gone before the group is.
         train_and_record(cfg, runtime)

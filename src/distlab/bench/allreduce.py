@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..comm.collectives import ALL_REDUCES, Traffic
 from ..errors import DistlabError, run_main
 from ..predict.alphabeta import bus_factor
@@ -134,11 +134,8 @@ class AllReduceBenchConfig(BenchConfig):
     min_repeats: int = option(5, "timed repetitions for the largest sizes")
 
 
-CONFIG = AllReduceBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(AllReduceBenchConfig, argv)
+@entry_point(AllReduceBenchConfig)
+def main(cfg: AllReduceBenchConfig) -> None:
     sizes, names = parse_sizes(cfg.sizes), cfg.impls.split(",")
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         runtime.log(

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..data import IMAGE_SHAPES, SyntheticImages, SyntheticTokens
 from ..errors import run_main
 from ..models import GPT_PRESETS, build_model, count_parameters, model_input_kind
@@ -143,11 +143,8 @@ class DDPStepBenchConfig(BenchConfig):
     warmup: int = option(5, "untimed steps per variant")
 
 
-CONFIG = DDPStepBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(DDPStepBenchConfig, argv)
+@entry_point(DDPStepBenchConfig)
+def main(cfg: DDPStepBenchConfig) -> None:
     caps = [float(c) for c in cfg.bucket_caps.split(",") if c]
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         base = make_model(cfg.model).to(runtime.device)

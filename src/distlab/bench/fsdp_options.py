@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, count_parameters
@@ -71,11 +71,8 @@ def runnable(name: str, world_size: int) -> bool:
     return name != "reshard_to_2" or (world_size > 2 and world_size % 2 == 0)
 
 
-CONFIG = FsdpOptionsConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(FsdpOptionsConfig, argv)
+@entry_point(FsdpOptionsConfig)
+def main(cfg: FsdpOptionsConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         names = [name for name in cfg.variants.split(",") if name and runnable(name, runtime.world_size)]
         tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)

@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import run_main
 from .harness import human_bytes, parse_sizes, summarize_times
 
@@ -265,11 +265,8 @@ class HostBenchConfig(ResultConfig):
     repeats: int = option(5, "timed repetitions of every measurement")
 
 
-CONFIG = HostBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(HostBenchConfig, argv)
+@entry_point(HostBenchConfig)
+def main(cfg: HostBenchConfig) -> None:
     metrics = measure_host(
         parse_sizes(cfg.sizes), parse_sizes(cfg.chunks), cfg.repeats, staging_total=parse_sizes(cfg.staging_total)[0]
     )

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..comm.collectives import ring_all_gather, ring_reduce_scatter, segment_bounds
 from ..errors import run_main
 from ..parallel.flat_param import all_gather_flat, reduce_scatter_flat
@@ -87,11 +87,8 @@ class ShardCollectivesBenchConfig(BenchConfig):
     repeats: int = option(15, "timed repetitions per size")
 
 
-CONFIG = ShardCollectivesBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(ShardCollectivesBenchConfig, argv)
+@entry_point(ShardCollectivesBenchConfig)
+def main(cfg: ShardCollectivesBenchConfig) -> None:
     sizes = parse_sizes(cfg.sizes)
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         runtime.log(f"distlab.bench.shard_collectives: {runtime.describe()}, {len(sizes)} sizes")

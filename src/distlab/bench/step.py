@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..comm.traffic import TrafficCounter
 from ..config import ParallelConfig
 from ..data import SyntheticTokens
@@ -166,11 +166,8 @@ def cuda_peaks(
     return gather_per_rank(peaks, runtime)
 
 
-CONFIG = StepBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(StepBenchConfig, argv)
+@entry_point(StepBenchConfig)
+def main(cfg: StepBenchConfig) -> None:
     names = [name for name in cfg.strategies.split(",") if name]
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)

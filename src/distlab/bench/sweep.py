@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..models import GPT_PRESETS, build_model, count_parameters
@@ -390,11 +390,8 @@ def point_entry(
     }
 
 
-CONFIG = SweepConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(SweepConfig, argv)
+@entry_point(SweepConfig)
+def main(cfg: SweepConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         n = runtime.world_size
         cuda = runtime.device.type == "cuda"

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import run_main
 from ..predict.streams import MODES
 from ..runtime import Runtime, distributed, gather_per_rank
@@ -344,11 +344,8 @@ def measure_gpu(sizes: list[int], repeats: int, device: torch.device) -> dict:
     return mine
 
 
-CONFIG = TransferBenchConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(TransferBenchConfig, argv)
+@entry_point(TransferBenchConfig)
+def main(cfg: TransferBenchConfig) -> None:
     sizes = parse_sizes(cfg.sizes)
     require_cuda("distlab.bench.transfer")
     with distributed("cuda", timeout_s=3600) as runtime:  # ranks wait while the others measure

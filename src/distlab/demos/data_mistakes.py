@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..data import DataOrderCheck
 from ..errors import run_main
 from ..runtime import distributed
@@ -75,11 +75,8 @@ class DataMistakesConfig(ResultConfig):
     epochs: int = option(3, "epochs per scenario")
 
 
-CONFIG = DataMistakesConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(DataMistakesConfig, argv)
+@entry_point(DataMistakesConfig)
+def main(cfg: DataMistakesConfig) -> None:
     with distributed("cpu") as runtime:
         dataset = TensorDataset(torch.arange(cfg.samples))
         report = {

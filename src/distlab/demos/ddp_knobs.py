@@ -26,7 +26,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..bench.harness import round_robin, summarize_times
-from ..cli import BenchConfig, finish_run, option, parse
+from ..cli import BenchConfig, entry_point, finish_run, option
 from ..comm.traffic import TrafficCounter
 from ..errors import DistlabError, collective_site, run_main
 from ..parallel.replicated import TorchDDP
@@ -340,11 +340,8 @@ DEMOS = {"batch_norm": batch_norm, "unused_parameters": unused_parameters, "grad
 DEMOS |= {"buffer_sync": buffer_sync, "comm_hooks": comm_hooks, "join": uneven_inputs}
 
 
-CONFIG = DDPKnobsConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(DDPKnobsConfig, argv)
+@entry_point(DDPKnobsConfig)
+def main(cfg: DDPKnobsConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend, cfg.timeout_s) as runtime:
         if runtime.world_size < 2:
             raise DistlabError("DDP's options show only across ranks: run with torchrun --nproc_per_node=2")

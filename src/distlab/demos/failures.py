@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..cli import DeviceOptions, option, parse, section
+from ..cli import DeviceOptions, entry_point, option, section
 from ..errors import DistlabError, collective_site, run_main
 from ..runtime import Runtime, distributed
 
@@ -123,11 +123,8 @@ class FailuresConfig:
     where: DeviceOptions = section(DeviceOptions)
 
 
-CONFIG = FailuresConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(FailuresConfig, argv)
+@entry_point(FailuresConfig)
+def main(cfg: FailuresConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend, cfg.timeout_s) as runtime:
         if runtime.world_size < 2:
             raise DistlabError("ranks can only disagree if there are several: run with torchrun --nproc_per_node=2")

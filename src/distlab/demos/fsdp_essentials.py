@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import run_main
 from ..models import build_model
 from ..parallel import full_state_dict
@@ -115,11 +115,8 @@ class FsdpEssentialsConfig(ResultConfig):
     steps: int = option(3, "SGD steps per optimizer-order run")
 
 
-CONFIG = FsdpEssentialsConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(FsdpEssentialsConfig, argv)
+@entry_point(FsdpEssentialsConfig)
+def main(cfg: FsdpEssentialsConfig) -> None:
     with distributed("cpu") as runtime:
         report = run_all(runtime, cfg.steps)
         local_norms = [0.0] * runtime.world_size

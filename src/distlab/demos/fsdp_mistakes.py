@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import DistlabError, run_main
 from ..models import build_model
 from ..parallel import full_state_dict
@@ -71,11 +71,8 @@ class FsdpMistakesConfig(ResultConfig):
     steps: int = option(3, "SGD steps per run")
 
 
-CONFIG = FsdpMistakesConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(FsdpMistakesConfig, argv)
+@entry_point(FsdpMistakesConfig)
+def main(cfg: FsdpMistakesConfig) -> None:
     with distributed("cpu") as runtime:
         runs = run_all(runtime, cfg.steps)
         correct, stale = runs["correct"]["state"], runs["stale"]["state"]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..cli import ResultConfig, finish_run, option, parse
+from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import run_main
 from ..models import GPT_PRESETS, build_model
 from ..parallel.init import materialize
@@ -94,11 +94,8 @@ class ShardedOptimizerConfig(ResultConfig):
     batch_size: int = option(2, "sequences per rank per step")
 
 
-CONFIG = ShardedOptimizerConfig
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(ShardedOptimizerConfig, argv)
+@entry_point(ShardedOptimizerConfig)
+def main(cfg: ShardedOptimizerConfig) -> None:
     with distributed("cpu") as runtime:
         report = run_all(runtime, cfg.model, cfg.steps, cfg.batch_size)
         by_rank = [None] * runtime.world_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import option, parse
+from ..cli import entry_point, option
 from ..errors import run_main
 from .run import write_report
 from .schema import REPORT_FILE, check, failed_parts
@@ -25,12 +25,8 @@ class GpuReportConfig:
     quick: bool = option(False, "the smallest sizes that still run every path (what CI runs)")
 
 
-CONFIG = GpuReportConfig
-"""What ``main`` parses its command line with (a launcher checks a command line with it first)."""
-
-
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse(GpuReportConfig, argv, "distlab.gpu_report")
+@entry_point(GpuReportConfig, "distlab.gpu_report")
+def main(cfg: GpuReportConfig) -> None:
     folder = write_report(Path(cfg.out), cfg.contributor, cfg.budget_s, cfg.quick)
     report = check(folder, failed_ok=True)
     failed = failed_parts(report)

@@ -5,7 +5,7 @@ into the report folder: the same entry points the chapters and ``scripts/reprodu
 sizes that fit the GPUs found. :func:`plan` decides what runs with how many ranks, on which device and backend
 (:func:`distlab.runtime.place`, the one decision every launcher makes), and says why anything does not; without
 a GPU every part that can runs on 2 gloo ranks on the CPU, so CI executes the same code. A part's ranks are
-told where they run (``--device``/``--backend``) when its entry point takes those flags, as its ``CONFIG`` says.
+told where they run (``--device``/``--backend``) when its entry point takes those flags, as its ``main.config`` says.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     copies = "--sizes 64KB:256MB --repeats 5 --loader-epochs 0"
 
     def part(name, what, target, args, where: Placement = every, timeout_s=240.0, skip=""):
-        # --device/--backend go to the entry points that take them (their CONFIG says), never by module name
+        # --device/--backend go to the entry points that take them (their main.config says), never by module name
         return Part(name, what, target, (*placement_args(target, where), *args.split()), where.ranks, timeout_s, skip)
 
     return [

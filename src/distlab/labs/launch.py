@@ -3,7 +3,7 @@
 ``mp.spawn`` cannot pickle functions defined in a notebook, so notebooks
 write a script (or name a module) and run it under torchrun in a
 subprocess. A distlab entry point's command line is parsed here first, with
-the configuration its module names (``CONFIG``), so a bad flag is one line
+the configuration its ``main`` parses (``main.config``), so a bad flag is one line
 before any rank starts. Output streams live, so progress shows while it
 runs; on failure the error is the job's own line (a ``distlab:`` line, or
 the exception a rank died of), not torchrun's traceback or its report.
@@ -46,14 +46,15 @@ class JobOutput:
 
 
 def entry_config(target: str) -> type | None:
-    """The configuration class ``-m target`` parses its command line with: the module's ``CONFIG`` (a package's,
-    in its ``__main__``). None for a ``.py`` script, and for a module outside distlab, which is not imported here
-    (its top level may be the job itself). A distlab module that does not exist is refused in one line."""
+    """The configuration class ``-m target`` parses its command line with: its ``main``'s ``config``, set by
+    :func:`~distlab.cli.entry_point` (a package's, in its ``__main__``). None for a ``.py`` script, and for a
+    module outside distlab, which is not imported here (its top level may be the job itself). A distlab module
+    that does not exist is refused in one line."""
     if target.endswith(".py") or not (target == "distlab" or target.startswith("distlab.")):
         return None
     try:
         module = importlib.import_module(target)
-        if not hasattr(module, "CONFIG") and hasattr(module, "__path__"):  # python -m runs a package's __main__
+        if not hasattr(module, "main") and hasattr(module, "__path__"):  # python -m runs a package's __main__
             module = importlib.import_module(f"{target}.__main__")
     except ModuleNotFoundError as err:  # the module asked for, not one it imports (that is its own failure)
         if err.name == f"{target}.__main__":
@@ -61,7 +62,7 @@ def entry_config(target: str) -> type | None:
         if err.name and (target == err.name or target.startswith(err.name + ".")):
             raise DistlabError(f"no module {err.name}: check the name after -m") from None
         raise
-    return getattr(module, "CONFIG", None)
+    return getattr(getattr(module, "main", None), "config", None)
 
 
 def takes_placement(config: type | None) -> bool:
@@ -78,8 +79,8 @@ def placement_args(target: str, placement: Placement) -> tuple[str, ...]:
 
 def check_command_line(target: str, *args: str):
     """The configuration ``target``'s ranks will parse from ``args``, parsed and validated here, before any rank
-    starts: a bad flag or value is one :class:`DistlabError` line. None for a script (``.py``), a module with
-    no ``CONFIG``, or a request for ``--help`` (which the job prints)."""
+    starts: a bad flag or value is one :class:`DistlabError` line. None for a script (``.py``), a module whose
+    ``main`` names no configuration, or a request for ``--help`` (which the job prints)."""
     config = entry_config(target)
     args = [str(a) for a in args]
     if config is None or {"-h", "--help"} & set(args):
@@ -99,7 +100,7 @@ def torchrun(
     """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
 
     ``target`` is a ``.py`` path or a module name (``distlab.train``); a distlab module's
-    arguments are parsed with its ``CONFIG`` first (:func:`check_command_line`).
+    arguments are parsed with its ``main.config`` first (:func:`check_command_line`).
     ``threads_per_rank`` defaults to the cores divided among the ranks, so a
     one-rank run and a four-rank run use the same machine.
     """
