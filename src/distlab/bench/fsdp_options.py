@@ -12,14 +12,13 @@ is observed: every byte each rank holds, by what it is, with a timeline.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-from ..cli import BenchConfig, entry_point, finish_run, option
+from ..cli import entry_point, option
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
-from ..models import GPT_PRESETS, count_parameters
 from ..runtime import distributed
-from .step import Trainee, cuda_peaks, measure_trainees, token_batch
+from .step import SideBySideConfig, Trainee, cuda_peaks, finish_side_by_side, time_side_by_side, token_batch
 
 FSDP = ParallelConfig(strategy="fsdp")
 VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
@@ -47,20 +46,13 @@ VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
 
 
 @dataclass
-class FsdpOptionsConfig(BenchConfig):
+class FsdpOptionsConfig(SideBySideConfig):
     """Time one optimizer step of FSDP2 with each option, and measure every byte each rank holds."""
 
-    model: str = option("gpt-mini", "a GPT preset", choices=list(GPT_PRESETS))
     variants: str = option(",".join(VARIANTS), "variants to compare, comma-separated")
-    batch_size: int = option(4, "sequences per rank per step")
-    seq_len: int = option(128, "tokens per sequence")
-    steps: int = option(10, "timed steps per variant")
-    warmup: int = option(2, "untimed steps per variant")
 
     def validate(self) -> None:
-        longest = GPT_PRESETS[self.model].seq_len
-        if not 1 <= self.seq_len <= longest:
-            raise DistlabError(f"{self.model} takes sequences of 1 to {longest} tokens, not --seq-len {self.seq_len}")
+        super().validate()
         unknown = set(self.variants.split(",")) - set(VARIANTS)
         if unknown:
             raise DistlabError(f"unknown variant(s) {', '.join(sorted(unknown))}: choose from {', '.join(VARIANTS)}")
@@ -80,13 +72,8 @@ def main(cfg: FsdpOptionsConfig) -> None:
         for name in names:
             _, parallel, checkpointing = VARIANTS[name]
             trainees[name] = Trainee(parallel, cfg.model, runtime, activation_checkpointing=checkpointing)
-        parameters = count_parameters(trainees[names[0]].model)
-        runtime.log(
-            f"distlab.bench.fsdp_options: {cfg.model} ({parameters:,} parameters), "
-            f"{cfg.batch_size}x{cfg.seq_len} tokens/rank, {runtime.describe()}, "
-            f"{len(names)} variants x {cfg.steps} steps"
-        )
-        measured, _ = measure_trainees(trainees, tokens, targets, runtime, cfg.steps, cfg.warmup, timeline=True)
+        entry = "distlab.bench.fsdp_options"
+        measured, parameters = time_side_by_side(entry, trainees, tokens, targets, cfg, runtime)
         rows = []
         for name, trainee in trainees.items():
             row = {"variant": name, "change": VARIANTS[name][0], **measured[name]}
@@ -96,9 +83,7 @@ def main(cfg: FsdpOptionsConfig) -> None:
             if runtime.is_main:
                 peak = max(rank["peak"] for rank in row["memory"]["ranks"]) / 2**20
                 runtime.log(f"  {name:<18} median {1e3 * row['time_s']:8.1f} ms, peak {peak:7.1f} MiB/rank")
-        metrics = {"variants": rows, "parameters": parameters}
-        name = cfg.output.name or f"fsdp-options-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
-        finish_run(runtime, cfg.output.out, name, "fsdp_options_bench", asdict(cfg), metrics)
+        finish_side_by_side(runtime, cfg, "fsdp_options_bench", rows, parameters)
 
 
 if __name__ == "__main__":

@@ -31,22 +31,28 @@ from .harness import round_robin, summarize_times
 
 
 @dataclass
-class StepBenchConfig(BenchConfig):
-    """Time one optimizer step of each strategy side by side, and count the bytes each rank sends."""
+class SideBySideConfig(BenchConfig):
+    """What the step benchmarks share: one batch of a GPT preset per rank, every variant's steps timed in turns."""
 
     model: str = option("gpt-mini", "a GPT preset", choices=list(GPT_PRESETS))
-    strategies: str = option("ddp,zero1,zero2,zero3,fsdp", "strategies to compare, comma-separated")
     batch_size: int = option(4, "sequences per rank per step")
     seq_len: int = option(128, "tokens per sequence")
-    reshard_after_forward: bool = option(True, "zero3 and fsdp: free gathered parameters after forward")
-    zero_collectives: str = option("", "zero3: torch or ring (default: the strategy's own default)")
-    steps: int = option(10, "timed steps per strategy")
-    warmup: int = option(2, "untimed steps per strategy")
+    steps: int = option(10, "timed steps per variant")
+    warmup: int = option(2, "untimed steps per variant")
 
     def validate(self) -> None:
         longest = GPT_PRESETS[self.model].seq_len
         if not 1 <= self.seq_len <= longest:
             raise DistlabError(f"{self.model} takes sequences of 1 to {longest} tokens, not --seq-len {self.seq_len}")
+
+
+@dataclass
+class StepBenchConfig(SideBySideConfig):
+    """Time one optimizer step of each strategy side by side, and count the bytes each rank sends."""
+
+    strategies: str = option("ddp,zero1,zero2,zero3,fsdp", "strategies to compare, comma-separated")
+    reshard_after_forward: bool = option(True, "zero3 and fsdp: free gathered parameters after forward")
+    zero_collectives: str = option("", "zero3: torch or ring (default: the strategy's own default)")
 
 
 class Trainee:
@@ -141,6 +147,26 @@ def measure_trainees(
     return rows, times
 
 
+def time_side_by_side(entry: str, trainees: dict[str, Trainee], tokens, targets, cfg, runtime) -> tuple[dict, int]:
+    """A step benchmark's run, said in one line first: :func:`measure_trainees` with ``cfg``'s steps, warm-up
+    and timelines. Each trainee's row by its name, and the model's parameter count."""
+    parameters = count_parameters(next(iter(trainees.values())).model)
+    runtime.log(
+        f"{entry}: {cfg.model} ({parameters:,} parameters), {cfg.batch_size}x{cfg.seq_len} tokens/rank, "
+        f"{runtime.describe()}, {len(trainees)} variants x {cfg.steps} steps"
+    )
+    measured, _ = measure_trainees(trainees, tokens, targets, runtime, cfg.steps, cfg.warmup, timeline=True)
+    return measured, parameters
+
+
+def finish_side_by_side(runtime, cfg, kind: str, rows: list[dict], parameters: int) -> None:
+    """Rank 0 writes a step benchmark's rows, one a variant: ``<kind>-<model>-<N>x<device>.json`` unless
+    ``--name`` says otherwise."""
+    prefix = kind.removesuffix("_bench").replace("_", "-")
+    name = cfg.output.name or f"{prefix}-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
+    finish_run(runtime, cfg.output.out, name, kind, asdict(cfg), {"variants": rows, "parameters": parameters})
+
+
 def cuda_peaks(
     trainee: Trainee,
     tokens: torch.Tensor,
@@ -172,19 +198,12 @@ def main(cfg: StepBenchConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)
         trainees = {name: strategy_trainee(name, cfg, runtime) for name in names}
-        parameters = count_parameters(next(iter(trainees.values())).model)
-        runtime.log(
-            f"distlab.bench.step: {cfg.model} ({parameters:,} parameters), {cfg.batch_size}x{cfg.seq_len} tokens/rank, "
-            f"{runtime.describe()}, {len(names)} strategies x {cfg.steps} steps"
-        )
-        measured, _ = measure_trainees(trainees, tokens, targets, runtime, cfg.steps, cfg.warmup, timeline=True)
+        measured, parameters = time_side_by_side("distlab.bench.step", trainees, tokens, targets, cfg, runtime)
         rows = [{"strategy": name, **row} for name, row in measured.items()]
         for row in rows:
             sent = sum(entry["bytes_sent"] for entry in row["traffic"].values()) / 2**20
             runtime.log(f"  {row['strategy']:<8} median {1e3 * row['time_s']:8.1f} ms, sends {sent:7.1f} MiB/step")
-        metrics = {"variants": rows, "parameters": parameters}
-        name = cfg.output.name or f"step-{cfg.model}-{runtime.world_size}x{runtime.device.type}"
-        finish_run(runtime, cfg.output.out, name, "step_bench", asdict(cfg), metrics)
+        finish_side_by_side(runtime, cfg, "step_bench", rows, parameters)
 
 
 if __name__ == "__main__":
