@@ -12,6 +12,8 @@ LOADER_VARIANTS = {
     for pin in (False, True)
     for non_blocking in (False, True)
 } | {"device-resident": dict(loader="device")}
+CNN_UNDER_DDP = dict(strategy="ddp", model="cnn", dataset="synthetic", device="cuda", num_workers=2, log_every=-1)
+"""The run every variant shares (as ``distlab.train``'s flags): the course CNN under DDP on synthetic images."""
 
 
 def loader_end_to_end(
@@ -34,20 +36,10 @@ def loader_end_to_end(
     from ..config import TrainConfig
     from ..train import train
 
+    sizes = dict(epochs=epochs, batch_size=batch_size, synthetic_size=synthetic_size)
+
     def config(name: str, steps: int) -> TrainConfig:
-        return TrainConfig.from_flags(
-            strategy="ddp",
-            model="cnn",
-            dataset="synthetic",
-            device="cuda",
-            epochs=epochs,
-            batch_size=batch_size,
-            max_steps=steps,
-            synthetic_size=synthetic_size,
-            num_workers=2,
-            log_every=-1,
-            **LOADER_VARIANTS[name],
-        )
+        return TrainConfig.from_flags(**CNN_UNDER_DDP, **sizes, max_steps=steps, **LOADER_VARIANTS[name])
 
     epochs_seen: dict[str, list[dict]] = {name: [] for name in LOADER_VARIANTS}
 
