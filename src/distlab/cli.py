@@ -6,8 +6,9 @@ the same command line (``--fsdp-reshard-after-forward`` stays one flag even
 though it lives in the ``parallel`` section). :func:`parse` builds the
 parser from the dataclass, so the documentation and the flags cannot drift
 apart; :func:`entry_point` makes a module's ``main(argv)`` from its
-configuration and the function that runs it; and :func:`finish_run` is the rank-0 tail every entry point shares:
-write the result file, say where it went.
+configuration and the function that runs it; and :func:`finish_run` is the
+rank-0 tail every entry point shares: write the result file, say where it
+went.
 """
 
 from __future__ import annotations
