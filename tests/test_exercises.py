@@ -139,6 +139,23 @@ def test_a_collective_only_some_ranks_call_ends_in_time_and_says_so():
     assert "rank 1 did not wait: your function returned, and its tensor was wrong" in verdict.message
 
 
+def test_ranks_that_cannot_meet_say_why_in_one_line(monkeypatch):
+    from contextlib import contextmanager
+
+    from distlab.exercises import grader
+    from distlab.testing import free_port
+
+    @contextmanager
+    def nobody_serves():  # the ranks are told of a store that no process hosts
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+    monkeypatch.setattr(grader, "hosted_rendezvous", nobody_serves)
+    verdict = grade("global_mean", get("global_mean").solution_function(), timeout_s=2)
+    assert verdict.status == "grader" and "the ranks did not start (ranks 0, 1, 2: " in verdict.message, verdict.message
+    assert "run this check again" in verdict.message and "exit codes" not in verdict.message, verdict.message
+    assert len(verdict.message.splitlines()) == 1, verdict.message
+
+
 def overlap_waits_on_futures(model):
     pending = []
 

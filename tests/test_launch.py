@@ -237,3 +237,32 @@ def test_device_flags_go_to_the_entry_points_that_take_them():
     assert launch.placement_args("distlab.bench.transfer", where) == ()  # CUDA-only: no --device to give
     assert launch.placement_args("distlab.bench.host", where) == ()  # it measures the host
     assert launch.placement_args("my_script.py", where) == ()
+
+
+def _rendezvous_seen(runtime) -> dict:
+    return {name: os.environ.get(name) for name in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
+
+
+def test_ranks_meet_at_a_store_their_launcher_holds_so_no_other_socket_can_take_its_port(tmp_path: Path):
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    from distlab.testing import hosted_rendezvous, run_ranks
+
+    with hosted_rendezvous() as rendezvous:
+        port = int(rendezvous["MASTER_PORT"])
+        with socket.socket() as other, pytest.raises(OSError) as taken:  # the race a free port loses
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("reached", "yes")
+        assert client.get("reached") == b"yes"
+        del client
+    with pytest.raises(ConnectionRefusedError):  # the store stopped with the context: nothing left serving
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # the ranks of run_ranks (and of the exercises' grader) are clients of such a store
+    seen = run_ranks(_rendezvous_seen, 2, tmp_path)
+    assert seen[0] == seen[1] and seen[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True", seen

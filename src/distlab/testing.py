@@ -18,10 +18,14 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
@@ -34,7 +38,7 @@ CNN_PARAMETERS = 405_898
 """Parameters of the reference notes' MNIST CNN (:class:`distlab.models.MnistCNN`)."""
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def _stat_fields(pid: int | str) -> list[str]:
@@ -263,15 +267,33 @@ PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "distlab.tr
 
 
 def free_port() -> int:
+    """A port no socket holds now, for a launcher that binds it itself (torchrun's rendezvous endpoint). Ranks
+    started here meet at :func:`hosted_rendezvous` instead: a port chosen here and bound later by rank 0 can be
+    taken in between."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank_entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+@contextmanager
+def hosted_rendezvous() -> Iterator[dict[str, str]]:
+    """The environment that ranks this process starts meet with: a store (``TCPStore``) that this process
+    hosts, on a port the kernel gives it, held until the ranks are done; every rank is its client, as under
+    torchrun, whose agent hosts the store the same way (``TORCHELASTIC_USE_AGENT_STORE``).
+
+    Why not a free port that rank 0 binds: the port is free only when it is chosen. Another socket can take it
+    before rank 0 binds it, a rank's own attempt to connect to it included (the kernel may give that attempt
+    the very port as its own, and it connects to itself), and no rank starts: one exercise check in about 700
+    failed so on a 2-core machine."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store  # the server stops with its last reference
+
+
+def _rank_entry(rank: int, world_size: int, rendezvous: dict[str, str], fn, args, out_dir: str) -> None:
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # 2-core machines: several ranks must not fight over threads
     if RANK_START_METHOD == "forkserver":
         torch.seed()  # a fresh random seed, as a new process has, not the server's RNG state on every rank
@@ -286,17 +308,18 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
     """Run ``fn(runtime, *args)`` on ``world_size`` real gloo ranks and return
     each rank's return value, in rank order. Assert in the caller, not on the
     ranks: a failure inside a rank surfaces only as an opaque spawn error."""
-    out_dir = Path(tmp_path) / f"ranks-{fn.__name__}-{world_size}-{free_port()}"
-    out_dir.mkdir(parents=True)
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
     if RANK_START_METHOD == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(PRELOADED)  # read once, when the server starts
-    mp.start_processes(
-        _rank_entry,
-        args=(world_size, free_port(), fn, args, str(out_dir)),
-        nprocs=world_size,
-        join=True,
-        start_method=RANK_START_METHOD,
-    )
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(
+            _rank_entry,
+            args=(world_size, rendezvous, fn, args, str(out_dir)),
+            nprocs=world_size,
+            join=True,
+            start_method=RANK_START_METHOD,
+        )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import DistlabError
 from ..runtime import Placement, place
-from ..testing import RANK_START_METHOD, free_port
+from ..testing import RANK_START_METHOD, hosted_rendezvous
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
 from .trial import RECEIVES, rank_main
@@ -149,48 +149,48 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
     """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
     stop what is left. Returns each rank's report (None if it wrote none), its traced calls, whether any
     rank ended on its own without a report (rank -> exit code), and how the check ended (:class:`Ended`)."""
-    context, port = _context(), free_port()
-    processes = [
-        context.Process(
-            target=rank_main,
-            args=(
-                exercise.trial.__module__,
-                exercise.name,
-                str(workdir / "solution.py"),
-                fn_name,
-                rank,
-                world,
-                port,
-                str(workdir),
-                device,
-                timeout_s,
-            ),
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
-    with _main_script_left_behind():
+    context = _context()
+    with hosted_rendezvous() as rendezvous:  # held until every rank has ended
+        processes = [
+            context.Process(
+                target=rank_main,
+                args=(
+                    exercise.trial.__module__,
+                    exercise.name,
+                    str(workdir / "solution.py"),
+                    fn_name,
+                    rank,
+                    world,
+                    rendezvous,
+                    str(workdir),
+                    device,
+                    timeout_s,
+                ),
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        with _main_script_left_behind():
+            for process in processes:
+                process.start()
+        started = time.monotonic()
+        deadline = started + STARTUP_S  # until every rank has started
+        while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+            if all((workdir / f"rank{r}.started").exists() for r in range(world)):
+                started = time.monotonic()  # the check's own time starts now
+                deadline = started + timeout_s + 5.0
+                break
+            time.sleep(0.02)
+        while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+            time.sleep(0.02)
+        ended = Ended(time.monotonic() - started, timed_out=any(p.is_alive() for p in processes), timeout_s=timeout_s)
         for process in processes:
-            process.start()
-    started = time.monotonic()
-    deadline = started + STARTUP_S  # until every rank has started
-    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
-        if all((workdir / f"rank{r}.started").exists() for r in range(world)):
-            started = time.monotonic()  # the check's own time starts now
-            deadline = started + timeout_s + 5.0
-            break
-        time.sleep(0.02)
-    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
-        time.sleep(0.02)
-    ended = Ended(time.monotonic() - started, timed_out=any(p.is_alive() for p in processes), timeout_s=timeout_s)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join(10)
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(10)
     if not any((workdir / f"rank{r}.started").exists() for r in range(world)):
-        codes = ", ".join(str(p.exitcode) for p in processes)
-        raise DistlabError(f"the ranks did not start (exit codes {codes}); run this check again")
+        raise DistlabError(f"the ranks did not start ({_why_not_started(workdir, processes)}); run this check again")
     reports = [_read_json(workdir / f"rank{r}.json") for r in range(world)]
     for rank, report in enumerate(reports):
         if report is not None:
@@ -215,6 +215,18 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def _why_not_started(workdir: Path, processes) -> str:
+    """What the ranks said when they could not join the group (each rank's one line, ranks that said the same
+    together), or their exit codes where none said anything."""
+    ranks_by_reason: dict[str, list[str]] = {}
+    for rank in range(len(processes)):
+        for line in _read_text(workdir / f"rank{rank}.not_started"):
+            ranks_by_reason.setdefault(line.rstrip("."), []).append(str(rank))
+    if not ranks_by_reason:
+        return "exit codes " + ", ".join(str(p.exitcode) for p in processes)
+    return "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}: {line}" for line, rs in ranks_by_reason.items())
 
 
 def _read_text(path: Path, most_lines: int = 12) -> list[str]:

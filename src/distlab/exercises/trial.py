@@ -21,7 +21,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import ExitStack, contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import FunctionType, ModuleType
 
@@ -362,13 +362,12 @@ def _load(path: str, name: str) -> Callable:
     return getattr(module, name)
 
 
-def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, world_size: int, port: int,
-              workdir: str, device: str, timeout_s: float) -> None:  # fmt: skip
+def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, world_size: int,
+              rendezvous: dict[str, str], workdir: str, device: str, timeout_s: float) -> None:  # fmt: skip
     """One rank of a check (started by :mod:`.grader`): run ``exercise`` of the chapter ``module`` on the
-    learner's ``name`` from the file ``solution``; report to ``workdir/rank{rank}.json``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+    learner's ``name`` from the file ``solution``; report to ``workdir/rank{rank}.json``. ``rendezvous`` is the
+    grader's store (:func:`distlab.testing.hosted_rendezvous`)."""
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     # torch's deprecation notices are not the learner's to act on, and would drown what their code printed
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -379,7 +378,13 @@ def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, w
     work = Path(workdir)
     tracer = Tracer(work / f"rank{rank}.trace.jsonl")
     report: dict = {"rank": rank, "status": "passed"}
-    with distributed(device, timeout_s=timeout_s) as runtime:
+    with ExitStack() as group:
+        try:
+            runtime = group.enter_context(distributed(device, timeout_s=timeout_s))
+        except Exception as err:  # said by the grader, which otherwise sees only an exit code
+            first_line = (str(err).strip().splitlines() or [""])[0][:200]
+            (work / f"rank{rank}.not_started").write_text(f"{type(err).__name__}: {first_line}")
+            raise SystemExit(1) from None
         (work / f"rank{rank}.started").touch()
         trial = Trial(rank, world_size, runtime.device, tracer, solution)
         printed = open(work / f"rank{rank}.out", "w", buffering=1)  # noqa: SIM115 (the rank's exit closes it)
