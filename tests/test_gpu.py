@@ -4,7 +4,7 @@ Not part of CI (no GPU there): the maintainers run it when a GPU is lent, from a
 ``tests/gpu-requirements.txt``. Without a GPU every test here is skipped with one reason. It uses two GPUs when it
 finds two: ``distlab.train`` with every strategy on one NCCL rank, on two gloo ranks sharing one GPU, and on one
 NCCL rank per GPU; ``python -m distlab.gpu_report``; every lab played top to bottom; the exercises' grader on
-CUDA ranks. About 8 minutes on one GPU.
+CUDA ranks. Not yet timed: no GPU has run it since it was written.
 
 Each GPU test has a CPU twin in CI that runs the same code up to the call that needs a GPU:
 
