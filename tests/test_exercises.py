@@ -150,10 +150,16 @@ def test_ranks_that_cannot_meet_say_why_in_one_line(monkeypatch):
         yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
     monkeypatch.setattr(grader, "hosted_rendezvous", nobody_serves)
+    monkeypatch.setattr(grader, "MEETING_S", 3.0)  # how long each rank tries to join before it says so
     verdict = grade("global_mean", get("global_mean").solution_function(), timeout_s=2)
     assert verdict.status == "grader" and "the ranks did not start (ranks 0, 1, 2: " in verdict.message, verdict.message
     assert "run this check again" in verdict.message and "exit codes" not in verdict.message, verdict.message
     assert len(verdict.message.splitlines()) == 1, verdict.message
+    # ranks still trying to join when the check's start-up time is over are stopped, and it says so
+    monkeypatch.setattr(grader, "MEETING_S", 60.0)
+    monkeypatch.setattr(grader, "STARTUP_S", 3.0)
+    verdict = grade("global_mean", get("global_mean").solution_function(), timeout_s=2)
+    assert "the ranks did not start (none had joined the group after 3 s" in verdict.message, verdict.message
 
 
 def overlap_waits_on_futures(model):

@@ -266,3 +266,48 @@ def test_ranks_meet_at_a_store_their_launcher_holds_so_no_other_socket_can_take_
     # the ranks of run_ranks (and of the exercises' grader) are clients of such a store
     seen = run_ranks(_rendezvous_seen, 2, tmp_path)
     assert seen[0] == seen[1] and seen[0]["TORCHELASTIC_USE_AGENT_STORE"] == "True", seen
+
+
+def _arrive_late_then_wait_alone(rank: int, rendezvous: dict, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from distlab.runtime import distributed
+
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    if rank == 1:
+        time.sleep(4.0)  # a slow start: longer than the collectives' timeout below
+    with distributed("cpu", timeout_s=1.5):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        waited = None
+        if rank == 1:  # rank 0 never joins this one: it must end after the collectives' 1.5 s
+            started = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1))
+            except RuntimeError:
+                waited = time.monotonic() - started
+        else:
+            time.sleep(8.0)  # alive, and not in the collective (a peer that left would fail it at once)
+        Path(out, f"rank{rank}.txt").write_text(f"{total.item()} {waited}")
+        os._exit(0)  # no teardown with a peer that left
+
+
+def test_ranks_may_take_longer_to_meet_than_a_collective_may_wait(tmp_path: Path):
+    import torch.multiprocessing as mp
+
+    from distlab.testing import RANK_START_METHOD, hosted_rendezvous
+
+    context = mp.get_context(RANK_START_METHOD)
+    with hosted_rendezvous() as rendezvous:
+        ranks = [
+            context.Process(target=_arrive_late_then_wait_alone, args=(r, rendezvous, str(tmp_path))) for r in (0, 1)
+        ]
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            rank.join(60)
+    assert [rank.exitcode for rank in ranks] == [0, 0]
+    (total0, _), (total1, waited) = ((tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1))
+    assert total0 == total1 == "2.0"
+    assert 1.0 < float(waited) < 10.0, waited

@@ -194,6 +194,18 @@ def group_backend(backend: str) -> str:
     return CPU_LEG if backend == "nccl" else backend
 
 
+START_TIMEOUT_S = 300.0
+"""How long the ranks may take to meet, whatever the collectives' timeout: starting several processes on a busy
+machine can take longer than a short timeout (a demo's 3 s, an exercise check's 4 s), and that is no failure of
+the job's. A rank that never arrives is still reported, after this long."""
+
+
+def set_group_timeout(timeout: timedelta) -> None:
+    """The default group's timeout, for every collective from now on (torch 2.10 has only the private name)."""
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    setter(timeout)
+
+
 GROUP_AS_DEFAULT_ARGUMENT = ("torch.distributed.nn", "torch.distributed.fsdp.sharded_grad_scaler")
 """torch modules whose functions take ``group=dist.group.WORLD`` as a default argument, which Python evaluates
 once, when the module is imported: imported after ``init_process_group`` (DDP's first use imports
@@ -216,12 +228,16 @@ def _release_group(collect: bool = True) -> None:
 
 
 @contextmanager
-def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> Iterator[Runtime]:
+def distributed(
+    device: str = "auto", backend: str = "auto", timeout_s: float = 300.0, start_timeout_s: float | None = None
+) -> Iterator[Runtime]:
     """Run the body inside a process group; tear it down however the body ends.
 
-    ``timeout_s`` bounds every collective, so a rank whose peer died raises an
-    error instead of waiting forever. The body must not keep what holds the group (a DDP or FSDP model) past
-    its end: call a function inside the ``with`` and keep only its plain results (:func:`_release_group`).
+    ``timeout_s`` bounds every collective, so a rank whose peer died raises an error instead of waiting
+    forever; the ranks' meeting has a bound of its own, ``start_timeout_s``, by default the longer of
+    ``timeout_s`` and :data:`START_TIMEOUT_S`. The body must not keep what holds the group (a DDP or FSDP
+    model) past its end: call a function inside the ``with`` and keep only its plain results
+    (:func:`_release_group`).
     """
     launched = "WORLD_SIZE" in os.environ
     rank = _env_int("RANK", 0)
@@ -238,20 +254,24 @@ def distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 
     if owns_group:
         for module in GROUP_AS_DEFAULT_ARGUMENT:
             importlib.import_module(module)
-        kwargs = dict(backend=group_backend(chosen), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        start = timedelta(seconds=start_timeout_s or max(timeout_s, START_TIMEOUT_S))
+        kwargs = dict(backend=group_backend(chosen), timeout=start)
         if chosen == "nccl":
             kwargs["device_id"] = target
         if launched:
             # torchrun keeps one store across restarts: each attempt takes keys of its own, or a restarted
             # rank can read a dead attempt's address (gloo) or unique id (NCCL) before its peer rewrites it.
-            store, rank, world_size = next(dist.rendezvous("env://", timeout=kwargs["timeout"]))
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=start))
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             store = dist.PrefixStore(f"attempt{attempt}/", store)
             dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
+            store.set_timeout(timeout)
             reports = FailureReports(store, rank, world_size, timeout_s)
         else:
             # One rank, no launcher: an in-memory store needs no port.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        set_group_timeout(timeout)  # every rank has met: from here on the collectives' own bound
     else:
         chosen = "nccl" if "nccl" in dist.get_backend() else "gloo"  # a group with a gloo leg names both
         rank, world_size = dist.get_rank(), dist.get_world_size()

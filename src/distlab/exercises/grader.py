@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import tempfile
 import textwrap
@@ -31,6 +32,9 @@ from .trial import RECEIVES, rank_main
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
 STARTUP_S = 180.0
 """How long the ranks may take to start (the first check starts a server that imports torch once)."""
+MEETING_S = 90.0
+"""How long started ranks may take to join their group: well under :data:`STARTUP_S`, so that a rank that
+cannot join says why before the grader stops it."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
                     str(workdir),
                     device,
                     timeout_s,
+                    MEETING_S,
                 ),
                 daemon=True,
             )
@@ -224,6 +229,8 @@ def _why_not_started(workdir: Path, processes) -> str:
     for rank in range(len(processes)):
         for line in _read_text(workdir / f"rank{rank}.not_started"):
             ranks_by_reason.setdefault(line.rstrip("."), []).append(str(rank))
+    if not ranks_by_reason and all(p.exitcode == -signal.SIGKILL for p in processes):
+        return f"none had joined the group after {STARTUP_S:.0f} s, when the check stopped them"
     if not ranks_by_reason:
         return "exit codes " + ", ".join(str(p.exitcode) for p in processes)
     return "; ".join(f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}: {line}" for line, rs in ranks_by_reason.items())

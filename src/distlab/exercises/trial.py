@@ -363,10 +363,12 @@ def _load(path: str, name: str) -> Callable:
 
 
 def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, world_size: int,
-              rendezvous: dict[str, str], workdir: str, device: str, timeout_s: float) -> None:  # fmt: skip
+              rendezvous: dict[str, str], workdir: str, device: str, timeout_s: float,
+              meeting_s: float) -> None:  # fmt: skip
     """One rank of a check (started by :mod:`.grader`): run ``exercise`` of the chapter ``module`` on the
     learner's ``name`` from the file ``solution``; report to ``workdir/rank{rank}.json``. ``rendezvous`` is the
-    grader's store (:func:`distlab.testing.hosted_rendezvous`)."""
+    grader's store (:func:`distlab.testing.hosted_rendezvous`); ``meeting_s`` bounds joining the group, and
+    ``timeout_s`` every collective after."""
     os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     # torch's deprecation notices are not the learner's to act on, and would drown what their code printed
@@ -380,7 +382,7 @@ def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, w
     report: dict = {"rank": rank, "status": "passed"}
     with ExitStack() as group:
         try:
-            runtime = group.enter_context(distributed(device, timeout_s=timeout_s))
+            runtime = group.enter_context(distributed(device, timeout_s=timeout_s, start_timeout_s=meeting_s))
         except Exception as err:  # said by the grader, which otherwise sees only an exit code
             first_line = (str(err).strip().splitlines() or [""])[0][:200]
             (work / f"rank{rank}.not_started").write_text(f"{type(err).__name__}: {first_line}")
