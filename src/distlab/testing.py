@@ -283,8 +283,7 @@ def hosted_rendezvous() -> Iterator[dict[str, str]]:
 
     Why not a free port that rank 0 binds: the port is free only when it is chosen. Another socket can take it
     before rank 0 binds it, a rank's own attempt to connect to it included (the kernel may give that attempt
-    the very port as its own, and it connects to itself), and no rank starts: one exercise check in about 700
-    failed so on a 2-core machine."""
+    the very port as its own, and it connects to itself), and then no rank starts."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
