@@ -211,6 +211,23 @@ FP32_CALLED_TORCHS_DEFAULT = (
 )
 
 
+def test_every_page_and_ci_remove_the_scratch_folders_they_make():
+    """A page's scratch folder is a TemporaryDirectory (removed at a normal exit) that its last cell also removes:
+    the book's build stops each kernel after a grace period of 2.5 s (jupyter_client's shutdown_wait_time / 2),
+    before its exit handlers run, and each build left about 100 MB in /tmp. CI's scratch holds two
+    virtualenvs (about 14 GB) and is removed however the run ends."""
+    pages = [page for page in sorted((ROOT / "book").glob("*.md")) if "tempfile" in page.read_text()]
+    assert len(pages) >= 6
+    for page in pages:
+        text = page.read_text()
+        assert "mkdtemp" not in text, f"{page.name} makes a folder nothing removes"
+        assert text.count("scratch = tempfile.TemporaryDirectory(") == 1, page.name
+        last_cell = text.rsplit("```{code-cell}", 1)[1]
+        assert ":tags: [remove-cell]" in last_cell and "scratch.cleanup()" in last_cell, page.name
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "trap clean_up EXIT" in ci and 'rm -rf "$scratch"' in ci
+
+
 def test_no_page_calls_an_fp32_reduce_scatter_torchs_default():
     """torch's MixedPrecisionPolicy.reduce_dtype is None, which reduces in param_dtype (tests/test_gpu_predictions.py
     runs it): an fp32 reduce-scatter is the course's policy, and the pages, the ledger and the library say so."""
