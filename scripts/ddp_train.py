@@ -48,7 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "fp16", "bf16"],
+        help="auto: the fastest the GPU has (bf16 from Ampere on, fp16 on a T4); fp16: a T4's path on any GPU; "
+        "a CPU computes in fp32",
+    )
     p.add_argument(
         "--device",
         default=default_device(),
@@ -89,6 +95,8 @@ def device_and_backend(args) -> tuple[torch.device, str]:
 def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
     if device.type != "cuda" or precision == "fp32":
         return torch.float32  # asked for, or a CPU, which has no fast half-precision matmuls
+    if precision != "auto":
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     # bf16 keeps fp32's range (no loss scaling) but needs Ampere (8.0) or newer; a T4 (7.5) has fp16 tensor cores.
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
 
@@ -276,7 +284,10 @@ def main() -> None:
     # module is imported. Imported after this line (DDP's first use imports it), they would keep the group alive
     # after destroy_process_group, and its gloo threads could then abort the process as it exits: it is imported
     # above, while there is no group yet.
-    dist.init_process_group(backend)  # NCCL on GPUs; gloo on CPUs, or where ranks share a GPU
+    # NCCL carries CUDA tensors only. Its group gets a gloo leg for CPU tensors: with fp16 the scaler's overflow
+    # flag, and the gradient norm, of shards kept on the CPU (FSDP2's offload) are all-reduced as CPU tensors.
+    cuda = backend == "nccl"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else backend, device_id=device if cuda else None)
     try:
         train(args, device)  # the model, which holds the group, is gone when train returns
     finally:

@@ -68,7 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fsdp: units each one all-gathers ahead, forward and backward (0: FSDP2's own, one ahead)",
     )
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: state in host memory, Adam on the CPU")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32"], help="auto: the fastest the device has")
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "fp16", "bf16"],
+        help="auto: the fastest the GPU has (bf16 from Ampere on, fp16 on a T4); fp16: a T4's path on any GPU; "
+        "a CPU computes in fp32",
+    )
     p.add_argument(
         "--device",
         default=default_device(),
@@ -107,6 +113,8 @@ def device_and_backend(args) -> tuple[torch.device, str]:
 def compute_dtype(device: torch.device, precision: str) -> torch.dtype:
     if device.type != "cuda" or precision == "fp32":
         return torch.float32  # asked for, or a CPU, which has no fast half-precision matmuls
+    if precision != "auto":
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     # bf16 keeps fp32's range (no loss scaling) but needs Ampere (8.0) or newer; a T4 (7.5) has fp16 tensor cores.
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
 
@@ -308,7 +316,10 @@ def main() -> None:
     device, backend = device_and_backend(args)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)  # NCCL on GPUs; gloo on CPUs, or where ranks share a GPU
+    # NCCL carries CUDA tensors only. Its group gets a gloo leg for CPU tensors: with fp16 the scaler's overflow
+    # flag, and the gradient norm, of shards kept on the CPU (FSDP2's offload) are all-reduced as CPU tensors.
+    cuda = backend == "nccl"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else backend, device_id=device if cuda else None)
     try:
         train(args, device)
     except torch.OutOfMemoryError as err:  # one line, not a traceback through FSDP's internals

@@ -45,7 +45,7 @@ BOOK_LABS = ROOT / "book" / "results" / "labs"
 DATA_NOTES = {
     "download": "MNIST, downloaded by each lab that uses it",
     "given": "MNIST from a folder given with --data",
-    "offline": "a tiny stand-in for MNIST written offline (--offline-data), not MNIST",
+    "offline": "a stand-in for MNIST written offline (--offline-data: 2,048 images), not MNIST",
 }
 """What the label says the labs read, by where their ``./data`` came from."""
 
@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     data, note = args.data, ""
     with tempfile.TemporaryDirectory(prefix="distlab-play-data-") as tiny:
         if args.offline_data:
-            from distlab.testing import write_tiny_mnist
+            from distlab.labs.offline import write_offline_mnist
 
-            data, note = write_tiny_mnist(Path(tiny) / "data"), DATA_NOTES["offline"]
+            data, note = write_offline_mnist(Path(tiny) / "data"), DATA_NOTES["offline"]
         elif data is not None:
             note = DATA_NOTES["given"]
         folder, outcome = play_labs(

@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from distlab.bench import sweep
+from distlab.bench import step, sweep
 from distlab.bench.harness import Progress
 from distlab.bench.step import Trainee
 from distlab.bench.sweep import resident_bytes_per_rank
@@ -181,7 +181,7 @@ def test_each_variant_is_measured_with_nothing_else_built_alive():
         return {"alive": alive, "baseline": baseline}
 
     count = iter(range(100))
-    results = sweep.each_alone(
+    results = step.each_alone(
         ["a", "b", "c"], build, measure, before=lambda: next(count), release=lambda: events.append("release")
     )
     assert results == {name: {"alive": [name], "baseline": i} for i, name in enumerate("abc")}
@@ -202,7 +202,7 @@ def test_a_one_rank_sweep_point_measures_each_variants_device_peak_alone_and_rep
         seen[trainee.strategy.__class__.__name__, id(trainee)] = (len(alive), warmup, resident_before)
         return [{"max_allocated": 1, "max_reserved": 2, "resident_before": resident_before}]
 
-    peaks = sweep.DevicePeaks(fake_measure, lambda: 7, lambda: None)
+    peaks = step.DevicePeaks(fake_measure, lambda: 7, lambda: None)
     monkeypatch.setattr(sweep, "device_peaks", lambda runtime: peaks)
     cfg = parse(sweep.SweepConfig, ["--models", "gpt-tiny", "--steps", "1", "--warmup", "0", "--batch-size", "2",
                                     "--seq-len", "16", "--device", "cpu"])  # fmt: skip

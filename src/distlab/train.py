@@ -133,13 +133,10 @@ class MetricSums:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
 
     def add(self, losses: torch.Tensor, correct: torch.Tensor) -> None:
-        self.sums += torch.stack(
-            [
-                losses.detach().sum().double(),
-                correct.sum().double(),
-                torch.tensor(float(correct.numel()), device=self.sums.device),
-            ]
-        )
+        self.sums[:2] += torch.stack([losses.detach().sum().double(), correct.sum().double()])
+        # The count is a Python number, passed to the kernel as an argument. torch.tensor(count, device=cuda) would
+        # copy it from the host and wait for the GPU every step, and the host could never run ahead.
+        self.sums[2] += correct.numel()
 
     def all_reduce(self) -> MetricSums:
         dist.all_reduce(self.sums)

@@ -92,9 +92,11 @@ def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[di
     """One profiled forward+backward: intervals (ms from the step's start) on
     a ``compute`` lane and a ``communication`` lane.
 
-    On CPU the compute lane is the forward and each backward op of the main
-    thread, and the communication lane is gloo's all-reduce on its own
-    threads. On CUDA both lanes are GPU kernels: NCCL's and everyone else's.
+    On CPU the compute lane is the forward and each backward op of the main thread, and the communication lane is
+    gloo's all-reduce on its own threads. On CUDA the compute lane is the GPU's kernels, and the communication lane
+    NCCL's kernels, or, where gloo carries the collectives (ranks sharing one GPU), gloo's all-reduce on the CPU.
+    Empty, and said in one line, where the profiler recorded nothing to draw (no GPU kernel: CUPTI can be blocked
+    on a managed GPU).
     """
     forward_backward(model, inputs, targets)  # warm
     model.zero_grad(set_to_none=True)
@@ -106,28 +108,33 @@ def profile_step(model: nn.Module, inputs, targets, runtime: Runtime) -> list[di
         loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
         loss.backward()
         synchronize(runtime.device)
-    intervals = []
-    for event in prof.events():
-        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
-        name = event.name
-        if runtime.device.type == "cuda":
-            if not on_gpu:
-                continue
-            lane = "communication" if "nccl" in name.lower() else "compute"
-        elif name.startswith("gloo:all_reduce"):
-            lane = "communication"
-        elif name == "forward" or name.startswith("autograd::engine::evaluate_function:"):
-            lane, name = "compute", name.replace("autograd::engine::evaluate_function: ", "")
-        else:
-            continue
-        intervals.append(
-            {"lane": lane, "name": name, "start_us": event.time_range.start, "dur_us": event.time_range.elapsed_us()}
-        )
+    intervals = [interval for event in prof.events() if (interval := profiled_interval(event, runtime))]
+    if not any(interval["lane"] == "compute" for interval in intervals):
+        runtime.log("distlab: the profiler recorded no computation (no CUDA kernel: is CUPTI blocked here?): "
+                    "the step's timeline is left empty")  # fmt: skip
+        return []
     origin = min(i["start_us"] for i in intervals)
     return [
         {"lane": i["lane"], "name": i["name"], "start_ms": (i["start_us"] - origin) / 1e3, "dur_ms": i["dur_us"] / 1e3}
         for i in intervals
     ]
+
+
+def profiled_interval(event, runtime: Runtime) -> dict | None:
+    """One profiler event as an interval on the ``compute`` or ``communication`` lane, or None if it is neither."""
+    on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+    name = event.name
+    if name.startswith("gloo:all_reduce"):  # gloo's all-reduce runs on CPU threads, beside a GPU too
+        lane = "communication"
+    elif runtime.device.type == "cuda":
+        if not on_gpu:
+            return None
+        lane = "communication" if "nccl" in name.lower() else "compute"
+    elif name == "forward" or name.startswith("autograd::engine::evaluate_function:"):
+        lane, name = "compute", name.replace("autograd::engine::evaluate_function: ", "")
+    else:
+        return None
+    return {"lane": lane, "name": name, "start_us": event.time_range.start, "dur_us": event.time_range.elapsed_us()}
 
 
 @dataclass

@@ -7,7 +7,8 @@ units, full resharding, implicit prefetch, fp32), plus torch DDP and the
 course's ZeRO-3 for reference. All start from the same weights and train on
 the same batches; they take turns within each repetition (round-robin), and
 a step's time is its slowest rank's. After the timing, one more step of each
-is observed: every byte each rank holds, by what it is, with a timeline.
+is observed: every byte each rank holds, by what it is, with a timeline. On a GPU, CUDA's own peak of each
+option is taken last, with that option alone on the GPU (:func:`~distlab.bench.step.each_alone`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from ..cli import entry_point, option
 from ..config import ParallelConfig
 from ..errors import DistlabError, run_main
 from ..runtime import distributed
-from .step import SideBySideConfig, Trainee, cuda_peaks, finish_side_by_side, time_side_by_side, token_batch
+from .step import (
+    SideBySideConfig,
+    Trainee,
+    device_peaks,
+    each_alone,
+    finish_side_by_side,
+    time_side_by_side,
+    token_batch,
+)
 
 FSDP = ParallelConfig(strategy="fsdp")
 VARIANTS: dict[str, tuple[str, ParallelConfig, bool]] = {
@@ -63,26 +72,37 @@ def runnable(name: str, world_size: int) -> bool:
     return name != "reshard_to_2" or (world_size > 2 and world_size % 2 == 0)
 
 
+def variant_trainee(name: str, cfg: FsdpOptionsConfig, runtime) -> Trainee:
+    _, parallel, checkpointing = VARIANTS[name]
+    return Trainee(parallel, cfg.model, runtime, activation_checkpointing=checkpointing)
+
+
 @entry_point(FsdpOptionsConfig)
 def main(cfg: FsdpOptionsConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         names = [name for name in cfg.variants.split(",") if name and runnable(name, runtime.world_size)]
         tokens, targets = token_batch(cfg.model, cfg.seq_len, cfg.batch_size, runtime)
-        trainees = {}
-        for name in names:
-            _, parallel, checkpointing = VARIANTS[name]
-            trainees[name] = Trainee(parallel, cfg.model, runtime, activation_checkpointing=checkpointing)
-        entry = "distlab.bench.fsdp_options"
-        measured, parameters = time_side_by_side(entry, trainees, tokens, targets, cfg, runtime)
-        rows = []
-        for name, trainee in trainees.items():
-            row = {"variant": name, "change": VARIANTS[name][0], **measured[name]}
-            if runtime.device.type == "cuda":
-                row["cuda_memory"] = cuda_peaks(trainee, tokens, targets, runtime)
-            rows.append(row)
+        trainees = {name: variant_trainee(name, cfg, runtime) for name in names}
+        measured, parameters = time_side_by_side("distlab.bench.fsdp_options", trainees, tokens, targets, cfg, runtime)
+        del trainees  # the device's own peak of each option is taken with that option alone (each_alone)
+        rows = [{"variant": name, "change": VARIANTS[name][0], **measured[name]} for name in names]
+        peaks = device_peaks(runtime)
+        if peaks is not None:
+            alone = each_alone(
+                names,
+                lambda name: variant_trainee(name, cfg, runtime),
+                lambda trainee, before: peaks.measure(
+                    trainee, tokens, targets, runtime, warmup=1, resident_before=before
+                ),
+                before=peaks.allocated,
+                release=peaks.release,
+            )
+            for row in rows:
+                row["cuda_memory"] = alone[row["variant"]]
+        for row in rows:
             if runtime.is_main:
                 peak = max(rank["peak"] for rank in row["memory"]["ranks"]) / 2**20
-                runtime.log(f"  {name:<18} median {1e3 * row['time_s']:8.1f} ms, peak {peak:7.1f} MiB/rank")
+                runtime.log(f"  {row['variant']:<18} median {1e3 * row['time_s']:8.1f} ms, peak {peak:7.1f} MiB/rank")
         finish_side_by_side(runtime, cfg, "fsdp_options_bench", rows, parameters)
 
 

@@ -13,6 +13,8 @@ with a timeline (:mod:`distlab.measure.memory`).
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -26,7 +28,7 @@ from ..errors import DistlabError, run_main
 from ..measure.memory import MemoryTracker, state_bytes
 from ..models import GPT_PRESETS, build_model, checkpoint_activations, count_parameters
 from ..parallel import make_strategy
-from ..runtime import distributed, gather_per_rank
+from ..runtime import Runtime, distributed, gather_per_rank
 from .harness import round_robin, summarize_times
 
 
@@ -190,6 +192,48 @@ def cuda_peaks(
     if resident_before is not None:
         peaks["resident_before"] = resident_before
     return gather_per_rank(peaks, runtime)
+
+
+def each_alone(
+    names: list[str],
+    build: Callable[[str], object],
+    measure: Callable[[object, object], object],
+    before: Callable[[], object] = lambda: None,
+    release: Callable[[], None] = lambda: None,
+) -> dict[str, object]:
+    """``measure(build(name), before())`` for each name in turn, nothing built here alive but that one: garbage
+    collected and ``release()`` called before each is built and after the last, and the built object dropped as
+    soon as ``measure`` returns. The caller must hold no other of its kind (:func:`~distlab.bench.sweep.measure_preset`
+    and :mod:`~distlab.bench.fsdp_options` measure this way once their timed variants are gone)."""
+    results = {}
+    for name in names:
+        gc.collect()
+        release()
+        baseline = before()
+        results[name] = measure(build(name), baseline)
+    gc.collect()
+    release()
+    return results
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """How a device counts a variant's own peak: ``measure(trainee, tokens, targets, runtime, warmup=,
+    resident_before=)`` (per-rank rows on rank 0), what is allocated now, and how to hand cached blocks back."""
+
+    measure: Callable[..., list[dict] | None]
+    allocated: Callable[[], int]
+    release: Callable[[], None]
+
+
+def device_peaks(runtime: Runtime) -> DevicePeaks | None:
+    """:func:`~distlab.bench.step.cuda_peaks` with CUDA's allocator on a GPU; None elsewhere (a CPU has no allocator
+    counter; the course's own count is each row's ``memory``). Not reached on a CPU: ``torch.cuda.memory_allocated``,
+    ``empty_cache`` and what ``cuda_peaks`` reads need a CUDA device; the order and the freeing around them are
+    :func:`each_alone`'s, and tests run the sweep and fsdp-options with this replaced."""
+    if runtime.device.type != "cuda":
+        return None
+    return DevicePeaks(cuda_peaks, lambda: torch.cuda.memory_allocated(runtime.device), torch.cuda.empty_cache)
 
 
 @entry_point(StepBenchConfig)

@@ -27,9 +27,7 @@ calibration copy (:func:`time_each_alone`): its check is the course's cited-spec
 
 from __future__ import annotations
 
-import gc
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,7 +43,7 @@ from ..predict.memory import expected_state_bytes, parameter_shapes, shard_unit_
 from ..runtime import LOW_PRECISION, Runtime, distributed, synchronize
 from . import shard_collectives
 from .harness import Progress, parse_sizes, summarize_times
-from .step import Trainee, cuda_peaks, measure_trainees, observe_memory, token_batch
+from .step import Trainee, device_peaks, each_alone, measure_trainees, observe_memory, token_batch
 
 VARIANTS = {
     "ddp": dict(strategy="ddp"),
@@ -233,48 +231,6 @@ def achieved(flops: float, seconds: float, peak: dict | None) -> dict:
     """TFLOP/s per rank of a step of ``flops`` that took ``seconds``, and their share of the cited peak (or None)."""
     rate = flops / seconds
     return {"tflops": rate / 1e12, "peak_share": None if peak is None else rate / peak["flops_per_s"]}
-
-
-def each_alone(
-    names: list[str],
-    build: Callable[[str], object],
-    measure: Callable[[object, object], object],
-    before: Callable[[], object] = lambda: None,
-    release: Callable[[], None] = lambda: None,
-) -> dict[str, object]:
-    """``measure(build(name), before())`` for each name in turn, nothing built here alive but that one: garbage
-    collected and ``release()`` called before each is built and after the last, and the built object dropped as
-    soon as ``measure`` returns. The caller must hold no other of its kind (:func:`measure_preset` measures
-    this way once its timed variants are gone)."""
-    results = {}
-    for name in names:
-        gc.collect()
-        release()
-        baseline = before()
-        results[name] = measure(build(name), baseline)
-    gc.collect()
-    release()
-    return results
-
-
-@dataclass(frozen=True)
-class DevicePeaks:
-    """How a device counts a variant's own peak: ``measure(trainee, tokens, targets, runtime, warmup=,
-    resident_before=)`` (per-rank rows on rank 0), what is allocated now, and how to hand cached blocks back."""
-
-    measure: Callable[..., list[dict] | None]
-    allocated: Callable[[], int]
-    release: Callable[[], None]
-
-
-def device_peaks(runtime: Runtime) -> DevicePeaks | None:
-    """:func:`~distlab.bench.step.cuda_peaks` with CUDA's allocator on a GPU; None elsewhere (a CPU has no allocator
-    counter; the course's own count is each row's ``memory``). Not reached on a CPU: ``torch.cuda.memory_allocated``,
-    ``empty_cache`` and what ``cuda_peaks`` reads need a CUDA device; the order and the freeing around them are
-    :func:`each_alone`'s, and a test runs :func:`measure_preset` with this replaced."""
-    if runtime.device.type != "cuda":
-        return None
-    return DevicePeaks(cuda_peaks, lambda: torch.cuda.memory_allocated(runtime.device), torch.cuda.empty_cache)
 
 
 def time_and_observe(
