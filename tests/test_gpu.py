@@ -1,10 +1,16 @@
 """The GPU tier, ``python -m pytest -m gpu``: every GPU path the course has, run on the GPU(s) present.
 
 Not part of CI (no GPU there): the maintainers run it when a GPU is lent, from a checkout, with the packages of
-``tests/gpu-requirements.txt``. Without a GPU every test here is skipped with one reason. It uses two GPUs when it
-finds two: ``distlab.train`` with every strategy on one NCCL rank, on two gloo ranks sharing one GPU, and on one
-NCCL rank per GPU; ``python -m distlab.gpu_report``; every lab played top to bottom; the exercises' grader on
-CUDA ranks. Not yet timed: no GPU has run it since it was written.
+``tests/gpu-requirements.txt`` (``python scripts/gpu_check.py OUT`` installs them, runs the quick selection and a
+quick GPU report, and writes one folder). Without a GPU every test here is skipped with one reason. It uses two
+GPUs when it finds two: ``distlab.train`` with every strategy on one NCCL rank, on two gloo ranks sharing one GPU,
+and on one NCCL rank per GPU, in fp16 as a T4 runs it whatever the GPU supports; ``python -m distlab.gpu_report``;
+every lab played top to bottom; the exercises' grader on CUDA ranks.
+
+Two sizes. ``-m "gpu and quick"`` runs every GPU code path once (every strategy, the fp16 paths, the report's
+parts, every lab's own launch, the grader on CUDA ranks): about 6 minutes on one GPU, by the estimate in
+``QUICK_ESTIMATE_S`` (from the first H200 run's timings). ``-m gpu`` runs everything: every strategy in every
+layout, every lab top to bottom. Both are meant to be run with ``--durations=0``.
 
 Each GPU test has a CPU twin in CI that runs the same code up to the call that needs a GPU:
 
@@ -14,7 +20,8 @@ Each GPU test has a CPU twin in CI that runs the same code up to the call that n
 - the labs: ``tests/test_kaggle.py`` plays every lab on the CPU, ``tests/test_lab_placement.py`` checks their
   set-up for 0, 1 and 2 GPUs and that every script they launch is told its device;
 - the grader: ``tests/test_placement.py`` places every exercise for 0 to 8 GPUs, and ``tests/test_exercises.py``
-  grades every solution on gloo ranks.
+  grades every solution on gloo ranks;
+- what the GPU audit predicted: ``tests/test_gpu_audit.py``.
 """
 
 from __future__ import annotations
@@ -22,25 +29,31 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from distlab.bench.sweep import VARIANTS as SWEEP_VARIANTS
 from distlab.cli import parse
 from distlab.config import TrainConfig
 from distlab.exercises import grade
 from distlab.exercises.catalog import all_exercises
 from distlab.exercises.grader import _placement
+from distlab.labs.offline import write_offline_mnist
 from distlab.parallel import STRATEGIES
 from distlab.results import read_result
 from distlab.runtime import Placement, gpu_count, place, rank_device, rank_placement
-from distlab.testing import run_torchrun, write_tiny_mnist
+from distlab.testing import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = gpu_count()
+NO_GPU = "no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is"
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason=NO_GPU)
 
 LAYOUTS = ("one NCCL rank", "two gloo ranks share one GPU", "one NCCL rank per GPU")
 
@@ -55,44 +68,108 @@ def layout(name: str, gpus: int) -> tuple[Placement, dict[str, str]] | None:
     return (place(None, gpus=gpus), {}) if gpus >= 2 else None
 
 
-TRAIN_CASES = [(name, ("--model", "cnn")) for name in STRATEGIES] + [
-    (name, ("--model", "gpt-tiny", "--precision", "16-bit")) for name in ("zero3", "fsdp")
-]
-"""Every strategy on the course's CNN, and the two that shard parameters on a GPT in mixed precision (the H200's
-first path). ``16-bit`` becomes bf16 where the GPU has it, fp16 elsewhere (a T4)."""
+@dataclass(frozen=True)
+class TrainCase:
+    id: str
+    strategy: str
+    args: tuple[str, ...]
 
 
-def train_argv(strategy: str, model: tuple[str, ...], placement: Placement, bf16: bool) -> list[str]:
-    args = [arg.replace("16-bit", "bf16" if bf16 else "fp16") for arg in model]
-    return ["--strategy", strategy, *args, "--dataset", "synthetic", "--synthetic-size", "512", "--epochs", "1",
-            "--batch-size", "32", "--log-every", "0", *placement.args]  # fmt: skip
+FP16 = ("--model", "gpt-tiny", "--precision", "fp16")
+TRAIN_CASES = [
+    *(TrainCase(f"{name}-cnn", name, ("--model", "cnn")) for name in STRATEGIES),
+    *(TrainCase(f"{name}-gpt-tiny-16bit", name, ("--model", "gpt-tiny", "--precision", "16-bit"))
+      for name in ("zero3", "fsdp")),
+    *(TrainCase(f"{name}-gpt-tiny-fp16", name, FP16) for name in ("zero2", "zero3", "fsdp")),
+    TrainCase("fsdp-offload-clip-gpt-tiny-fp16", "fsdp", (*FP16, "--fsdp-cpu-offload", "--max-grad-norm", "1")),
+]  # fmt: skip
+"""Every strategy on the course's CNN; the two that shard parameters on a GPT in mixed precision (``16-bit``:
+bf16 where the GPU has it, fp16 elsewhere); and fp16 whatever the GPU supports, the only half precision a T4 has:
+GradScaler, ShardedGradScaler's found-inf reduction, FSDP2's fp16 gathers, and with CPU offload and clipping the
+found-inf and the norm as CPU DTensors on the group's gloo leg (two ranks: one rank skips both reductions)."""
+CASES = {case.id: case for case in TRAIN_CASES}
+
+
+def train_argv(case: TrainCase, placement: Placement, bf16: bool = True) -> list[str]:
+    args = [arg.replace("16-bit", "bf16" if bf16 else "fp16") for arg in case.args]
+    return ["--strategy", case.strategy, *args, "--dataset", "synthetic", "--synthetic-size", "512", "--epochs",
+            "1", "--batch-size", "32", "--log-every", "0", *placement.args]  # fmt: skip
 
 
 SHARED_GPU_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
-"""On two gloo ranks sharing a GPU, one strategy of each kind (replicated, sharded gradients, sharded parameters
-by hand and torch's FSDP2): the tier's eight minutes do not hold every strategy twice."""
+"""On two gloo ranks sharing a GPU, the CNN with one strategy of each kind (replicated, sharded gradients, sharded
+parameters by hand and torch's FSDP2); the GPT cases run there too."""
 
 
-def _fits(strategy: str, ranks: int, where: str = "") -> bool:
-    cls = STRATEGIES[strategy]
-    if where == "two gloo ranks share one GPU" and strategy not in SHARED_GPU_STRATEGIES:
-        return False
+def _fits(case: TrainCase, ranks: int, where: str = "") -> bool:
+    cls = STRATEGIES[case.strategy]
+    if where == "two gloo ranks share one GPU" and case.args == ("--model", "cnn"):
+        if case.strategy not in SHARED_GPU_STRATEGIES:
+            return False
     return ranks >= cls.min_world_size and (cls.max_world_size is None or ranks <= cls.max_world_size)
 
 
-CASE_IDS = [f"{s}-{m[1]}" for s, m in TRAIN_CASES]
+TRAIN_SELECTION = [
+    (case.id, where)
+    for where in LAYOUTS
+    for case in TRAIN_CASES
+    if _fits(case, 1 if where == "one NCCL rank" else 2, where)
+]
+"""Every training case in every layout it fits (judged at 2 ranks where a layout has several)."""
+
+REPORT_SWEEP_STRATEGIES = tuple(sorted({variant["strategy"] for variant in SWEEP_VARIANTS.values()}))
+"""The strategies the quick report's sweep trains on the GPU (from the library's own step), on GPT presets in
+bf16 (fp16 on a GPU without bf16)."""
+LAB_QUICK_STRATEGIES = ("single", "ddp")
+"""What the labs' quick launches train: lab 0's first run (single), the FSDP lab's script beside DDP's profile."""
+QUICK_TRAIN = {
+    ("naive_ddp-cnn", "one NCCL rank"),
+    ("bucketed_ddp-cnn", "one NCCL rank"),
+    ("zero3-gpt-tiny-fp16", "one NCCL rank"),
+    ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank"),
+    ("zero2-gpt-tiny-fp16", "two gloo ranks share one GPU"),
+    ("fsdp-offload-clip-gpt-tiny-fp16", "two gloo ranks share one GPU"),
+    ("ddp-cnn", "one NCCL rank per GPU"),
+    ("zero2-gpt-tiny-fp16", "one NCCL rank per GPU"),
+    ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank per GPU"),
+}
+"""The quick selection's training: the course's own DDP (no other part trains it), fp16 with ShardedGradScaler
+by hand and FSDP2 with offload and clipping on one rank and on two; the rest of the strategies train in the
+report's sweep (``REPORT_SWEEP_STRATEGIES``) and the labs (single, DDP). On two GPUs or more, one NCCL rank each."""
+
+
+def train_params() -> list[tuple[str, str, tuple[str, ...]]]:
+    return [
+        (case_id, where, ("quick",) if (case_id, where) in QUICK_TRAIN else ()) for case_id, where in TRAIN_SELECTION
+    ]
+
+
+QUICK_ESTIMATE_S = {
+    "training, one NCCL rank: 4 jobs x 13 s (first H200 run: a one-rank job 12-15 s, torchrun and CUDA's start)": 52,
+    "training, two gloo ranks sharing the GPU: 2 jobs x 19 s (first H200 run: 17-20 s)": 38,
+    "the quick report: host 8 s, copies to 64 MB 15 s, sweep 30 s, fsdp-options on gpt-mini 20 s, finish 10 s "
+    "(first H200 run: host 8 s, copies to 256 MB 24 s)": 83,
+    "the FSDP2 point, one torchrun, gpt-mini, 2 variants (first H200 run's sweep: ~10 s start, 2 s a variant)": 25,
+    "5 labs to their own launch: kernel and set-up 8 s, one job 15-20 s each (first H200 run: lab 0's three "
+    "jobs of 5 epochs in 60 s)": 125,
+    "the grader on CUDA ranks, one exercise: the forkserver's start 10 s, the check 4 s": 15,
+    "the no-wait check of a training step, in-process": 5,
+}
+"""The quick selection on one GPU, job by job, in seconds, from the first H200 run's timings
+(../shared/gpu-runs/2026-11-27-h200): 343 s, 5.7 minutes. Two GPUs add 3 training jobs (~45 s)."""
 
 
 @pytest.mark.parametrize("where", LAYOUTS)
-@pytest.mark.parametrize("strategy, model", TRAIN_CASES, ids=CASE_IDS)
-def test_every_gpu_training_command_parses_and_places_its_ranks(strategy, model, where):
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_every_gpu_training_command_parses_and_places_its_ranks(case_id, where):
     """The CPU twin of :func:`test_train_on_the_gpu`: its command lines for 1, 2 and 8 GPUs, up to the device."""
+    case = CASES[case_id]
     for gpus in (1, 2, 8):
         laid_out = layout(where, gpus)
-        if laid_out is None or not _fits(strategy, laid_out[0].ranks, where):
+        if laid_out is None or not _fits(case, laid_out[0].ranks, where):
             continue
         placement, env = laid_out
-        cfg = parse(TrainConfig, train_argv(strategy, model, placement, bf16=gpus != 2), "distlab.train")
+        cfg = parse(TrainConfig, train_argv(case, placement, bf16=gpus != 2), "distlab.train")
         visible = 1 if "CUDA_VISIBLE_DEVICES" in env else gpus
         ranks = rank_placement(cfg.parallel.device, cfg.parallel.backend, placement.ranks, gpus=visible)
         devices = [rank_device(ranks, r) for r in range(placement.ranks)]
@@ -101,79 +178,200 @@ def test_every_gpu_training_command_parses_and_places_its_ranks(strategy, model,
             assert len(set(devices)) == len(devices)  # NCCL: a GPU each
 
 
-@pytest.mark.parametrize("where", LAYOUTS)
-@pytest.mark.parametrize("strategy, model", TRAIN_CASES, ids=CASE_IDS)
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
-def test_train_on_the_gpu(strategy, model, where, tmp_path, monkeypatch):
+@needs_gpu
+@pytest.mark.parametrize(
+    "case_id, where",
+    [pytest.param(c, w, marks=[getattr(pytest.mark, m) for m in marks], id=f"{c}-{w.replace(' ', '_')}")
+     for c, w, marks in train_params()],
+)  # fmt: skip
+def test_train_on_the_gpu(case_id, where, tmp_path, monkeypatch):
     import torch
 
     from distlab.labs.launch import train
-    from distlab.results import read_result
 
+    case = CASES[case_id]
     laid_out = layout(where, GPUS)
     if laid_out is None:
         pytest.skip(f"{where} needs two GPUs or more; this machine has {GPUS}")
     placement, env = laid_out
-    if not _fits(strategy, placement.ranks, where):
-        pytest.skip(f"{strategy}: not on {where} ({placement.ranks} rank(s))")
+    if not _fits(case, placement.ranks, where):
+        pytest.skip(f"{case.strategy}: not on {where} ({placement.ranks} rank(s))")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-    result = train(*train_argv(strategy, model, placement, bf16), nproc=placement.ranks, out=tmp_path, echo=False)
+    result = train(*train_argv(case, placement, bf16), nproc=placement.ranks, out=tmp_path, echo=False)
     assert result["environment"]["backend"] == placement.backend
     assert result["environment"]["device"].startswith("cuda")
+    if "fp16" in case.args:  # forced: the T4's path on whatever GPU this is
+        assert result["config"]["precision"]["dtype"] == "fp16"
     assert math.isfinite(result["metrics"]["epochs"][0]["train_loss"])
     assert result["metrics"]["step_time_median_s"] is not None  # the end-of-run reduction the H200 run failed in
     assert read_result(next(tmp_path.glob("*.json")))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
-def test_the_gpu_report_runs_every_part_that_should_and_says_so(tmp_path):
-    command = [sys.executable, "-m", "distlab.gpu_report", "--out", str(tmp_path), "--budget-s", "240", "--quick"]
-    job = subprocess.run(command, capture_output=True, text=True, timeout=420)
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-    (report,) = tmp_path.glob("*/report.json")
-    parts = json.loads(report.read_text())["parts"]
-    failed = [p for p in parts if p["status"] == "failed"]
-    assert not failed, failed
+@pytest.mark.quick
+@needs_gpu
+def test_a_training_step_never_waits_for_the_gpu():
+    """P7: a step's metrics are summed on the GPU without a copy from the host, so the host runs ahead of the GPU
+    (what lets a non_blocking copy overlap compute). CUDA's sync debug mode raises on any call that waits for it."""
+    import torch
+
+    from distlab.train import MetricSums, loss_and_correct
+
+    device = torch.device("cuda", 0)
+    logits, targets = torch.randn(64, 10, device=device), torch.randint(0, 10, (64,), device=device)
+    sums = MetricSums(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            sums.add(*loss_and_correct(logits, targets))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sums.count == 3 * 64
+
+
+def report_parts_expected(gpus: int) -> set[str]:
+    """The parts a report runs on ``gpus`` GPUs: the collectives and DDP's batch norm need two NCCL ranks."""
+    return {"host", "copies", "sweep", "fsdp-options"} | ({"collectives", "batch-norm"} if gpus >= 2 else set())
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
+@pytest.mark.quick
+@needs_gpu
+def test_the_gpu_report_runs_every_part_that_should_and_says_so(tmp_path):
+    """The quick report: every part this machine can run ran (none skipped because the budget was spent), the
+    report is complete, and each FSDP2 option's CUDA peak is its own: offloading the shards to the CPU leaves the
+    GPU less than the default holds (P6: with every option resident the two were about equal)."""
+    out = Path(os.environ.get("DISTLAB_GPU_CHECK_REPORT") or tmp_path)  # scripts/gpu_check.py keeps the report
+    command = [sys.executable, "-m", "distlab.gpu_report", "--out", str(out), "--budget-s", "300", "--quick"]
+    job = subprocess.run(command, capture_output=True, text=True, timeout=420)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    (report_file,) = out.glob("*/report.json")
+    report = json.loads(report_file.read_text())
+    ran = {p["name"] for p in report["parts"] if p["status"] == "ran"}
+    assert ran == report_parts_expected(GPUS), report["parts"]
+    assert report["status"] == "complete"
+    options = read_result(report_file.parent / "fsdp-options.json")["metrics"]["variants"]
+    own = {row["variant"]: row["cuda_memory"][0]["max_allocated"] - row["cuda_memory"][0]["resident_before"]
+           for row in options}  # fmt: skip
+    assert own["offload"] < own["fsdp"], own
+
+
+def sweep_on_one_gpu(out: Path, precision: str, *extra: str):
+    return run_torchrun(
+        1, "distlab.bench.sweep", "--models", "gpt-mini", "--batch-size", "8", "--seq-len", "256", "--steps", "2",
+        "--precision", precision, "--collective-sizes", "1MB", "--device", "cuda", "--out", str(out), "--name",
+        "sweep", *extra,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.quick
+@needs_gpu
 def test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu(tmp_path):
     """The sweep's FSDP2 point on one CUDA rank, at a small size: each FSDP2 variant timed alone, with CUDA's peak
-    of its own step; CUDA's allocated peak holds at least what the course counts. CPU twin:
+    of its own step. CUDA's allocated peak, less what was resident before the variant was built, holds what the
+    course counts and not much more (P10: another variant's state still allocated would add its whole size), and
+    keeping the gathered parameters (no reshard) peaks higher than freeing them. CPU twin:
     ``tests/test_sweep.py::test_the_fsdp2_point_runs_its_variants_alone_uncalibrated_and_the_report_says_so``."""
     bf16 = __import__("torch").cuda.is_bf16_supported(including_emulation=False)
-    done = run_torchrun(
-        1, "distlab.bench.sweep", "--models", "gpt-mini", "--batch-size", "8", "--seq-len", "256", "--steps", "2",
-        "--fsdp2-point", "gpt-mini:16", "--precision", "bf16" if bf16 else "fp16", "--collective-sizes", "1MB",
-        "--device", "cuda", "--out", str(tmp_path), "--name", "sweep",
-    )  # fmt: skip
+    done = sweep_on_one_gpu(tmp_path, "bf16" if bf16 else "fp16", "--fsdp2-point", "gpt-mini:16")
     assert done.returncode == 0, done.stderr[-3000:]
     alone = read_result(tmp_path / "sweep.json")["metrics"]["presets"][-1]
     assert alone["point"] == "fsdp2-sized" and "local" not in alone
+    own = {}
     for row in alone["variants"]:
         (cuda,) = row["cuda_memory"]
         counted = max(rank["peak"] for rank in row["memory"]["ranks"])
-        assert cuda["max_allocated"] >= counted * 0.95, (row["variant"], cuda, counted)
+        own[row["variant"]] = cuda["max_allocated"] - cuda["resident_before"]
+        assert counted * 0.95 <= own[row["variant"]] <= counted * 1.3, (row["variant"], cuda, counted)
+    assert own["fsdp-no-reshard"] > own["fsdp"], own
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_sweep_steps_every_strategy_in_fp16_on_the_gpu(tmp_path):
+    """P3: the sweep on a T4 runs fp16 (no bf16 there); here fp16 is forced on whatever GPU this is."""
+    done = sweep_on_one_gpu(tmp_path, "fp16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (point,) = read_result(tmp_path / "sweep.json")["metrics"]["presets"]
+    assert {row["variant"] for row in point["variants"]} == set(SWEEP_VARIANTS)
+    assert all(math.isfinite(row["time_s"]) and row["time_s"] > 0 for row in point["variants"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("where", ["two gloo ranks share one GPU", "one NCCL rank per GPU"])
+def test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload(where, tmp_path, monkeypatch):
+    """P4: the FSDP lab's offload row on Kaggle's T4s: ``fsdp_train.py --cpu-offload`` in fp16 on two ranks, where
+    GradScaler all-reduces its overflow flag as a CPU tensor (the shards live on the CPU). On two GPUs that needs
+    the NCCL group's gloo leg; on one GPU its two gloo ranks take the same path through gloo."""
+    laid_out = layout(where, GPUS)
+    if laid_out is None:
+        pytest.skip(f"{where} needs two GPUs or more; this machine has {GPUS}")
+    placement, env = laid_out
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "fsdp.json"
+    done = run_torchrun(
+        2, str(ROOT / "scripts" / "fsdp_train.py"), "--model", "cnn", "--dataset", "synthetic", "--samples", "1024",
+        "--epochs", "1", "--batch-size", "64", "--cpu-offload", "--precision", "fp16", *placement.args,
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["metrics"]["compute_dtype"] == "torch.float16"
+    assert math.isfinite(result["metrics"]["epochs"][-1]["train_loss"])
 
 
 LABS = sorted((ROOT / "notebooks").glob("lab*.ipynb"))
+LAB_QUICK_STOP = {
+    "lab0_first_run": "--run-name lab0-single",
+    "lab_pinned_memory": "transfer_bench.py --sizes",
+    "lab_ddp_mnist": "-m distlab.bench.ddp_step",
+    "lab_ring_allreduce": "ring_bench.py --sizes",
+    "lab_fsdp": "fsdp_train.py --device",
+}
+"""The quick selection plays each lab up to the cell that launches what only that lab runs on the GPU (its own
+script or benchmark; lab 0 its first run), with the jobs of the cells before it left out."""
+QUICK_EDITS = (
+    ('"--epochs", "5"', '"--epochs", "1"'),  # one epoch of each run: the code path, not the lesson's curve
+    ("--sizes 4KB:1GB --out", "--sizes 4KB:64MB --loader-epochs 0 --out"),  # copies, without the DataLoader study
+)
+LAUNCH = re.compile(r"^\s*!.*(torch\.distributed\.run|\{TORCHRUN)")
 
 
-@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
-@pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
-def test_every_lab_plays_top_to_bottom_on_the_gpus_present(lab, tmp_path, monkeypatch):
+def quick_lab(notebook, stop: str):
+    """``notebook`` cut after the cell that holds ``stop``, each earlier torchrun job replaced by a successful
+    no-op (``_exit_code = 0``), the sizes made quick."""
+    cells = []
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            source = cell.source
+            for old, new in QUICK_EDITS:
+                source = source.replace(old, new)
+            if stop not in source:
+                source = "\n".join("_exit_code = 0" if LAUNCH.match(line) else line for line in source.splitlines())
+            cell.source = source
+        cells.append(cell)
+        if cell.cell_type == "code" and stop in cell.source:
+            notebook.cells = cells
+            return notebook
+    raise AssertionError(f"no cell holds {stop!r}")
+
+
+def play_lab(lab: Path, tmp_path: Path, monkeypatch, quick: bool):
     nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
     working = tmp_path / "working"
     working.mkdir()
     shutil.copy(lab, working / lab.name)
-    write_tiny_mnist(working / "data")  # no network on a GPU image: MNIST's format, written here
+    write_offline_mnist(working / "data")  # no network on a GPU image: MNIST's format, written here
     notebook = nbformat.read(working / lab.name, as_version=4)
+    if quick:
+        notebook = quick_lab(notebook, LAB_QUICK_STOP[lab.stem])
     # the kernel inherits the environment: it imports this checkout's distlab, as the maintainers run it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     nbclient.NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(working)}}).execute()
@@ -182,15 +380,54 @@ def test_every_lab_plays_top_to_bottom_on_the_gpus_present(lab, tmp_path, monkey
     assert "No CUDA GPU here" not in setup, setup
     gpu_results = [json.loads(p.read_text()) for p in (working / "results").glob("*.json") if p.name != "hardware.json"]
     devices = {r.get("environment", {}).get("device", "") for r in gpu_results}
-    assert not gpu_results or any(d.startswith("cuda") for d in devices), devices  # nothing on the CPU beside a GPU
+    assert gpu_results, "the lab wrote no result"
+    assert any(d.startswith("cuda") for d in devices), devices  # nothing on the CPU beside a GPU
+
+
+@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
+@pytest.mark.gpu
+@needs_gpu
+def test_every_lab_plays_top_to_bottom_on_the_gpus_present(lab, tmp_path, monkeypatch):
+    play_lab(lab, tmp_path, monkeypatch, quick=False)
+
+
+@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
+@pytest.mark.gpu
+@pytest.mark.quick
+@needs_gpu
+def test_every_lab_launches_its_own_job_on_the_gpus_present(lab, tmp_path, monkeypatch, request):
+    if any(item.originalname == "test_every_lab_plays_top_to_bottom_on_the_gpus_present" for item in
+           request.session.items):  # fmt: skip
+        pytest.skip("this run plays every lab top to bottom, which launches this job too")
+    play_lab(lab, tmp_path, monkeypatch, quick=True)
+
+
+@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
+def test_every_labs_quick_play_stops_at_its_own_job_with_the_earlier_jobs_left_out(lab):
+    """The CPU twin of the quick lab test: each lab has the cell it stops at, no torchrun job before it, and the
+    quick sizes apply where the lab has them."""
+    nbformat = pytest.importorskip("nbformat")
+    notebook = quick_lab(nbformat.read(lab, as_version=4), LAB_QUICK_STOP[lab.stem])
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    assert LAB_QUICK_STOP[lab.stem] in code[-1]
+    assert not any(LAUNCH.match(line) for source in code[:-1] for line in source.splitlines())
+    original = lab.read_text()
+    for old, new in QUICK_EDITS:
+        if json.dumps(old)[1:-1] in original:
+            assert any(new in source for source in code), (old, new)
 
 
 EXERCISES = sorted(all_exercises())
+QUICK_EXERCISES = {"ring_all_reduce", "zero3_unit", "h2d_copy_time"}
+"""On one GPU only the one-rank exercises place on CUDA (arithmetic: h2d_copy_time); the ring and ZeRO-3's unit
+send CUDA tensors over NCCL on two GPUs."""
 
 
-@pytest.mark.parametrize("name", EXERCISES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK_EXERCISES else []) for n in EXERCISES]
+)
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is")
+@needs_gpu
 def test_the_grader_passes_every_solution_on_cuda_ranks(name):
     exercise = all_exercises()[name]
     placement = _placement(exercise, None, "auto")

@@ -135,7 +135,7 @@ def sized_presets(machine: Machine) -> list[str]:
 def plan(machine: Machine, quick: bool = False) -> list[Part]:
     """Every part, with its ranks, device, backend and sizes for this machine (``quick``: the smallest that still
     runs each path; on a GPU, the sweep's launch-bound point and its smallest sized one, without FSDP2's own
-    point, which the GPU tests run apart). Where the parts run is :func:`~distlab.runtime.place`'s answer for
+    point, which the GPU tests run apart, copies up to 64 MB, and FSDP2's options on gpt-mini). Where the parts run is :func:`~distlab.runtime.place`'s answer for
     ``machine.gpus``: one NCCL rank per GPU; without a GPU, 2 gloo ranks in bf16 autocast, the GPU's code path,
     at CPU sizes. A part that needs two ranks is skipped on one GPU (NCCL needs one GPU per rank; gloo ranks
     sharing it would measure gloo)."""
@@ -166,11 +166,11 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
         "1MB:64MB --collective-repeats 5" if cuda else "64KB:1MB --collective-repeats 2"
     )
     options = f"--variants {variants} " + (
-        "--model gpt-small --seq-len 256 --steps 10 --warmup 2"
+        f"--model {'gpt-mini' if quick else 'gpt-small'} --seq-len 256 --steps 10 --warmup 2"
         if cuda
         else "--model gpt-tiny --seq-len 64 --steps 2 --warmup 1"
     )
-    copies = "--sizes 64KB:256MB --repeats 5 --loader-epochs 0"
+    copies = f"--sizes 64KB:{'64MB' if quick else '256MB'} --repeats 5 --loader-epochs 0"
 
     def part(name, what, target, args, where: Placement = every, timeout_s=240.0, skip=""):
         # --device/--backend go to the entry points that take them (their main.config says), never by module name
