@@ -8,8 +8,8 @@ and on one NCCL rank per GPU, in fp16 as a T4 runs it whatever the GPU supports;
 every lab played top to bottom; the exercises' grader on CUDA ranks.
 
 Two sizes. ``-m "gpu and quick"`` runs every GPU code path once (every strategy, the fp16 paths, the report's
-parts, every lab's own launch, the grader on CUDA ranks): about 6 minutes on one GPU, by the estimate in
-``QUICK_ESTIMATE_S`` (from the first H200 run's timings). ``-m gpu`` runs everything: every strategy in every
+parts, every lab's own launch, the grader on CUDA ranks): 5.9 minutes on one H200, by ``QUICK_ESTIMATE_S`` (each
+test's time measured there, tests/gpu-runs/2026-11-28-h200). ``-m gpu`` runs everything: every strategy in every
 layout, every lab top to bottom. Both are meant to be run with ``--durations=0``.
 
 Each GPU test has a CPU twin in CI that runs the same code up to the call that needs a GPU:
@@ -120,11 +120,10 @@ TRAIN_SELECTION = [
 REPORT_SWEEP_STRATEGIES = tuple(sorted({variant["strategy"] for variant in SWEEP_VARIANTS.values()}))
 """The strategies the quick report's sweep trains on the GPU (from the library's own step), on GPT presets in
 bf16 (fp16 on a GPU without bf16)."""
-LAB_QUICK_STRATEGIES = ("single", "ddp")
-"""What the labs' quick launches train: lab 0's first run (single), the FSDP lab's script beside DDP's profile."""
+LAB_QUICK_STRATEGIES = ("single", "naive_ddp", "bucketed_ddp", "ddp")
+"""What the labs' quick launches train on the GPU: lab 0's first run (single), and the DDP lab's step benchmark
+(``distlab.bench.ddp_step``: the course's NaiveDDP and BucketedDDP strategies beside torch DDP)."""
 QUICK_TRAIN = {
-    ("naive_ddp-cnn", "one NCCL rank"),
-    ("bucketed_ddp-cnn", "one NCCL rank"),
     ("zero3-gpt-tiny-fp16", "one NCCL rank"),
     ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank"),
     ("zero2-gpt-tiny-fp16", "two gloo ranks share one GPU"),
@@ -133,9 +132,9 @@ QUICK_TRAIN = {
     ("zero2-gpt-tiny-fp16", "one NCCL rank per GPU"),
     ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank per GPU"),
 }
-"""The quick selection's training: the course's own DDP (no other part trains it), fp16 with ShardedGradScaler
-by hand and FSDP2 with offload and clipping on one rank and on two; the rest of the strategies train in the
-report's sweep (``REPORT_SWEEP_STRATEGIES``) and the labs (single, DDP). On two GPUs or more, one NCCL rank each."""
+"""The quick selection's training: fp16 with ShardedGradScaler by hand and FSDP2 with offload and clipping, on one
+rank and on two; every other strategy trains in the report's sweep (``REPORT_SWEEP_STRATEGIES``) and the labs'
+launches (``LAB_QUICK_STRATEGIES``). On two GPUs or more, one NCCL rank each as well."""
 
 
 def train_params() -> list[tuple[str, str, tuple[str, ...]]]:
@@ -145,18 +144,19 @@ def train_params() -> list[tuple[str, str, tuple[str, ...]]]:
 
 
 QUICK_ESTIMATE_S = {
-    "training, one NCCL rank: 4 jobs x 13 s (first H200 run: a one-rank job 12-15 s, torchrun and CUDA's start)": 52,
-    "training, two gloo ranks sharing the GPU: 2 jobs x 19 s (first H200 run: 17-20 s)": 38,
-    "the quick report: host 8 s, copies to 64 MB 15 s, sweep 30 s, fsdp-options on gpt-mini 20 s, finish 10 s "
-    "(first H200 run: host 8 s, copies to 256 MB 24 s)": 83,
-    "the FSDP2 point, one torchrun, gpt-mini, 2 variants (first H200 run's sweep: ~10 s start, 2 s a variant)": 25,
-    "5 labs to their own launch: kernel and set-up 8 s, one job 15-20 s each (first H200 run: lab 0's three "
-    "jobs of 5 epochs in 60 s)": 125,
-    "the grader on CUDA ranks, one exercise: the forkserver's start 10 s, the check 4 s": 15,
-    "the no-wait check of a training step, in-process": 5,
+    "the quick report (host, copies to 64 MB, the sweep's two points, FSDP2's options on gpt-mini)": 113,
+    "5 labs to their own launch: pinned 37, ring 24, FSDP 21, lab 0 20, DDP 20": 122,
+    "the FSDP2 point, one torchrun": 22,
+    "training: zero3 fp16 21, fsdp offload+clip fp16 18 (one NCCL rank); the same 19 and zero2 fp16 17 (two gloo "
+    "ranks share the GPU)": 75,
+    "the grader on CUDA ranks, one exercise (the forkserver's start included)": 8,
+    "the no-wait check of a training step, in-process": 1,
+    "pytest's start and collection (the tier's 391 s less its tests' 379 s)": 12,
 }
-"""The quick selection on one GPU, job by job, in seconds, from the first H200 run's timings
-(../shared/gpu-runs/2026-11-27-h200): 343 s, 5.7 minutes. Two GPUs add 3 training jobs (~45 s)."""
+"""The quick selection on one GPU, in seconds: each input is a test's measured time on one H200 (torch 2.11, 16
+cores), from ``tests/gpu-runs/2026-11-28-h200/durations.txt``, where the selection took 391 s with two more
+training jobs (the course's NaiveDDP and BucketedDDP, 19 and 18 s, since left to the DDP lab's launch, which trains
+both): 353 s, 5.9 minutes. Two GPUs add three training jobs and two exercises (~70 s)."""
 
 
 @pytest.mark.parametrize("where", LAYOUTS)

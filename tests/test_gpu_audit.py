@@ -133,6 +133,7 @@ def test_p2_the_quick_gpu_selection_runs_every_gpu_path_once():
     covered = strategies | set(test_gpu.REPORT_SWEEP_STRATEGIES) | set(test_gpu.LAB_QUICK_STRATEGIES)
     assert covered >= set(STRATEGIES), covered
     assert any(where == "two gloo ranks share one GPU" for _, where in quick)
+    assert sum(test_gpu.QUICK_ESTIMATE_S.values()) <= 6 * 60  # seconds, each input measured on one H200
     assert {lab.stem for lab in test_gpu.LABS} == set(test_gpu.LAB_QUICK_STOP)
 
 
