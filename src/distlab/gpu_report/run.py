@@ -135,7 +135,8 @@ def sized_presets(machine: Machine) -> list[str]:
 def plan(machine: Machine, quick: bool = False) -> list[Part]:
     """Every part, with its ranks, device, backend and sizes for this machine (``quick``: the smallest that still
     runs each path; on a GPU, the sweep's launch-bound point and its smallest sized one, without FSDP2's own
-    point, which the GPU tests run apart, copies up to 64 MB, and FSDP2's options on gpt-mini). Where the parts run is :func:`~distlab.runtime.place`'s answer for
+    point, which the GPU tests run apart, copies up to 64 MB, and FSDP2's options on gpt-mini). Where the parts run
+    is :func:`~distlab.runtime.place`'s answer for
     ``machine.gpus``: one NCCL rank per GPU; without a GPU, 2 gloo ranks in bf16 autocast, the GPU's code path,
     at CPU sizes. A part that needs two ranks is skipped on one GPU (NCCL needs one GPU per rank; gloo ranks
     sharing it would measure gloo)."""

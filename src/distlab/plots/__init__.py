@@ -13,6 +13,7 @@ from .common import jshtml, run_label
 from .ddp import plot_step_times, plot_timeline
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
+from .ring_animation import plot_holdings
 from .streams import (
     STREAM_COLORS,
     animate_copy_compute_ratio,
@@ -46,6 +47,7 @@ __all__ = [
     "plot_memory_timeline",
     "plot_state_per_rank",
     "plot_fsdp_options",
+    "plot_holdings",
     "STREAM_COLORS",
     "plot_host_costs",
     "plot_stream_timeline",

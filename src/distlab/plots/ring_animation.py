@@ -54,40 +54,64 @@ def _copy(held: list[list[frozenset]]) -> list[list[frozenset]]:
     return [row[:] for row in held]
 
 
-def _draw(ax, frame: Frame, n: int) -> None:
+Held = frozenset | str
+"""What a cell holds: the ranks whose contributions are summed in it (drawn ``0+1+2``, shaded by how many), or a
+label of its own (drawn as written, shaded by ``shade``)."""
+
+
+def plot_holdings(
+    ax,
+    held: list[list[Held]],
+    sends: list[tuple] = (),
+    columns: list[str] | None = None,
+    title: str = "",
+    shade: dict[str, float] | None = None,
+) -> None:
+    """Who holds what and who sends what, in the one grammar of the course's pictures: a row a rank, a column a
+    piece of data (segment, bucket, shard, parameter); a cell's label and its shade of blue say whose
+    contributions it holds ("0+1+2" is complete); a red outline with an arrow marks a cell on the wire.
+
+    ``held[rank][column]``; ``sends``: ``(rank, column)`` to the next rank of the ring, ``(rank, column, peer)``
+    to ``peer``, or ``(rank, column, None)`` into a collective (outlined, no arrow); ``shade``: a label's
+    shade, 0 to 1, for cells that hold labels."""
     ax.clear()
     cmap = plt.get_cmap("Blues")
+    n, width = len(held), len(held[0]) if held else 0
     for r in range(n):
-        for s in range(n):
-            count = len(frame.held[r][s])
-            ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, color=cmap(0.15 + 0.75 * count / n)))
-            ax.text(
-                s + 0.46,
-                n - 1 - r + 0.43,
-                "+".join(map(str, sorted(frame.held[r][s]))),
-                ha="center",
-                va="center",
-                fontsize=max(6, 12 - n),
-                color="white" if count > n / 2 else "black",
-            )
-    for r, s in frame.sends:
-        dst = (r + 1) % n
+        for s in range(width):
+            cell = held[r][s]
+            if isinstance(cell, str):
+                text, level = cell, (shade or {}).get(cell, 0.3)
+            else:
+                text, level = "+".join(map(str, sorted(cell))), len(cell) / n
+            ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, color=cmap(0.15 + 0.75 * level)))
+            ax.text(s + 0.46, n - 1 - r + 0.43, text, ha="center", va="center", fontsize=max(6, 12 - max(n, width)),
+                    color="white" if level > 0.5 else "black")  # fmt: skip
+    for send in sends:
+        r, s = send[0], send[1]
+        dst = send[2] if len(send) > 2 else (r + 1) % n
         ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, fill=False, lw=2.5, ec="tab:red"))
+        if dst is None:
+            continue
         start, end = (s + 0.46, n - 1 - r + 0.05), (s + 0.46, n - 1 - dst + 0.81)
-        style = "arc3,rad=0.0" if dst > r else "arc3,rad=-0.35"  # the wrap-around hop from the last rank to rank 0
+        style = "arc3,rad=0.0" if dst > r else "arc3,rad=-0.35"  # a hop back up (the ring's wrap-around) curves
         ax.add_patch(
             FancyArrowPatch(
                 start, end, arrowstyle="-|>", mutation_scale=14, color="tab:red", connectionstyle=style, lw=1.5
             )
         )
-    ax.set_xlim(-0.1, n + 0.1)
+    ax.set_xlim(-0.1, width + 0.1)
     ax.set_ylim(-0.2, n + 0.1)
-    ax.set_xticks([s + 0.46 for s in range(n)], [f"seg {s}" for s in range(n)])
+    ax.set_xticks([s + 0.46 for s in range(width)], columns or [f"seg {s}" for s in range(width)])
     ax.set_yticks([n - 1 - r + 0.43 for r in range(n)], [f"rank {r}" for r in range(n)])
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(frame.title, fontsize=9)
+    ax.set_title(title, fontsize=9)
+
+
+def _draw(ax, frame: Frame, n: int) -> None:
+    plot_holdings(ax, frame.held, frame.sends, title=frame.title)
 
 
 def animation(n: int = 4, interval_ms: int = 1200) -> mpl_animation.FuncAnimation:
