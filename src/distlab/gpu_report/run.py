@@ -136,10 +136,9 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     """Every part, with its ranks, device, backend and sizes for this machine (``quick``: the smallest that still
     runs each path; on a GPU, the sweep's launch-bound point and its smallest sized one, without FSDP2's own
     point, which the GPU tests run apart, copies up to 64 MB, and FSDP2's options on gpt-mini). Where the parts run
-    is :func:`~distlab.runtime.place`'s answer for
-    ``machine.gpus``: one NCCL rank per GPU; without a GPU, 2 gloo ranks in bf16 autocast, the GPU's code path,
-    at CPU sizes. A part that needs two ranks is skipped on one GPU (NCCL needs one GPU per rank; gloo ranks
-    sharing it would measure gloo)."""
+    is :func:`~distlab.runtime.place`'s answer for ``machine.gpus``: one NCCL rank per GPU; without a GPU, 2 gloo
+    ranks in bf16 autocast, the GPU's code path, at CPU sizes. A part that needs two ranks is skipped on one GPU
+    (NCCL needs one GPU per rank; gloo ranks sharing it would measure gloo)."""
     every = place(gpus=machine.gpus)  # the parts that run on every rank the machine has
     alone = place(1, gpus=machine.gpus)  # the host's and the copies' measurements: one rank
     cuda = every.device == "cuda"
