@@ -75,9 +75,10 @@ def from_json_tensor(tensor: torch.Tensor) -> Any:
     return json.loads(bytes(tensor.cpu().numpy()).decode())
 
 
-def rank_entry(state, scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
-    """This rank's :class:`~distlab.train.TrainState` and gradient scaler, saved under its own key."""
-    saved = state.state_dict()
+def rank_entry(state, scaler: torch.amp.GradScaler, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's :class:`~distlab.train.TrainState` (its random generators: the CPU's, and ``device``'s on a GPU)
+    and gradient scaler, saved under its own key."""
+    saved = state.state_dict(device)
     rng, cuda_rng = saved.pop("rng"), saved.pop("cuda_rng")
     entry = {"run": json_tensor({**saved, "scaler": scaler.state_dict()}), "rng": rng}
     if cuda_rng:
@@ -85,11 +86,11 @@ def rank_entry(state, scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
     return entry
 
 
-def load_rank_entry(entry: dict[str, torch.Tensor], state, scaler: torch.amp.GradScaler) -> None:
+def load_rank_entry(entry: dict[str, torch.Tensor], state, scaler: torch.amp.GradScaler, device: torch.device) -> None:
     saved = from_json_tensor(entry["run"])
     scaler_state = saved.pop("scaler")
     cuda_rng = list(entry["cuda_rng"]) if "cuda_rng" in entry else []
-    state.load_state_dict({**saved, "rng": entry["rng"], "cuda_rng": cuda_rng})
+    state.load_state_dict({**saved, "rng": entry["rng"], "cuda_rng": cuda_rng}, device)
     if scaler_state and scaler.is_enabled():
         scaler.load_state_dict(scaler_state)
 
@@ -192,7 +193,7 @@ class CheckpointFolder:
             partial.mkdir(parents=True)
         dist.barrier()
         content = run.strategy.checkpoint_state(run.model, run.optimizer, self.runtime.device.type).tensors
-        content[f"rank{self.runtime.rank}"] = rank_entry(state, run.precision.scaler)
+        content[f"rank{self.runtime.rank}"] = rank_entry(state, run.precision.scaler, self.runtime.device)
         dcp.save(content, storage_writer=_Writer(partial, before_write))
         if self.runtime.is_main:  # DCP's index is written: the checkpoint is complete
             write_atomically(partial / "meta.json", json.dumps(describe(run, state), indent=1))
@@ -226,7 +227,7 @@ class CheckpointFolder:
                 "resume from another step-N folder, or start fresh with --resume none"
             ) from None
         strategy_state.apply()
-        load_rank_entry(entry, state, run.precision.scaler)
+        load_rank_entry(entry, state, run.precision.scaler, self.runtime.device)
         _count_in_this_global_batch(meta, run, state)
         return meta
 

@@ -47,6 +47,9 @@ from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, synch
 OBSERVED_STEP = 1
 
 
+CPU = torch.device("cpu")
+
+
 @dataclass
 class TrainState:
     """Where a run stands: enough to continue it exactly where it stopped."""
@@ -64,7 +67,10 @@ class TrainState:
     epoch_progress: dict[str, list[float]] = field(default_factory=dict)
     """The epoch's loss sums so far, over all ranks (saved mid-epoch, so a resumed epoch reports them whole)."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, device: torch.device = CPU) -> dict[str, Any]:
+        """Where the run stands, and the random generators this rank draws from: the CPU's, and on a GPU run its
+        own GPU's (never every visible GPU's: those are the machine's, not the run's, and reading them starts
+        CUDA in a CPU run)."""
         return {
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
@@ -74,17 +80,20 @@ class TrainState:
             "memory": self.memory,
             "epoch_progress": self.epoch_progress,
             "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda_rng": [torch.cuda.get_rng_state(device)] if device.type == "cuda" else [],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device = CPU) -> None:
         self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
         self.history, self.step_times_s = list(state["history"]), list(state["step_times_s"])
         self.memory = dict(state.get("memory", {}))
         self.epoch_progress = dict(state.get("epoch_progress", {}))
         torch.set_rng_state(state["rng"])
-        if state["cuda_rng"] and torch.cuda.is_available():  # a GPU run's state resumed on a CPU has none to set
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        saved = state["cuda_rng"]
+        if saved and device.type == "cuda":  # a GPU run's state resumed on a CPU has no generator to set
+            index = 0 if len(saved) == 1 else device.index or 0  # an older distlab saved every visible GPU's
+            if index < len(saved):
+                torch.cuda.set_rng_state(saved[index], device)
 
 
 class Precision:

@@ -108,8 +108,10 @@ def token_batch(model: str, seq_len: int, batch_size: int, runtime) -> tuple[tor
 
 
 def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = True) -> list[dict] | None:
-    """One step of ``trainee`` under the memory tracker: every rank's peak, its
-    breakdown and (with ``timeline``) timeline, and the state at the optimizer step; on rank 0."""
+    """One step of ``trainee`` under the memory tracker: every rank's peak, its breakdown and the state at the
+    optimizer step, and (with ``timeline``) rank 0's timeline; on rank 0. The ranks' timelines are alike and rank
+    0's is the one drawn: every rank's would add about a megabyte a rank to a result file (a GPU report's files
+    are capped at 8 MiB)."""
     at_step = {}
     handle = trainee.optimizer.register_step_pre_hook(
         lambda *_: at_step.update(state_bytes(trainee.strategy, trainee.model, trainee.optimizer))
@@ -119,7 +121,9 @@ def observe_memory(trainee: Trainee, tokens, targets, runtime, timeline: bool = 
         trainee.step(tokens, targets)
     handle.remove()
     mine = {**at_step, "peak": tracker.peak_bytes, "peak_by_category": tracker.peak_by_category}
-    if timeline:
+    # the activations' own high-water mark (what the model adds), which a rank's peak by category cannot say
+    mine["activations_peak"] = max((s.by_category.get("activations", 0) for s in tracker.timeline), default=0)
+    if timeline and runtime.rank == 0:
         mine["timeline"] = [
             {"event": s.event, "phase": s.phase, "total": s.total, **s.by_category} for s in tracker.timeline
         ]

@@ -27,6 +27,7 @@ calibration copy (:func:`time_each_alone`): its check is the course's cited-spec
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -208,6 +209,19 @@ def available_bytes() -> int | None:
         return None
 
 
+def memory_free_on_every_rank(runtime: Runtime) -> tuple[int | None, int]:
+    """The memory the sweep may fill, the same on every rank, and how many ranks share it: the smallest free
+    memory of any rank's GPU (each rank its own), or the host's free memory (its ranks share it); None where it
+    cannot be read. What fits selects the presets, and so the collectives every rank then calls: a rank that
+    judged on its own memory could run another preset than its peers and wait for them forever."""
+    if runtime.device.type == "cuda":  # ranks beyond the GPU count share them (gloo): each GPU holds its share
+        mine, sharing = torch.cuda.mem_get_info(runtime.device)[0], -(-runtime.world_size // torch.cuda.device_count())
+    else:
+        mine, sharing = available_bytes(), runtime.world_size
+    (smallest,) = runtime.reduce([math.inf if mine is None else mine], "min")
+    return (None if math.isinf(smallest) else int(smallest)), sharing
+
+
 CUDA_PEAKS = (
     "each variant alone: the timed variants and the calibration copy freed, each variant built in turn, one "
     "warm-up step, then torch.cuda.reset_peak_memory_stats and one step; resident_before is what was allocated "
@@ -251,9 +265,7 @@ def time_and_observe(
     )  # fmt: skip
     skip = cfg.warmup
     rows = [{"variant": name, **VARIANTS[name], **row} for name, row in measured.items()]
-    local_memory = observe_memory(local, tokens, targets, runtime)
-    for rank in local_memory or []:  # the activations' own high-water mark: what the model adds
-        rank["activations_peak"] = max(sample["activations"] for sample in rank.pop("timeline"))
+    local_memory = observe_memory(local, tokens, targets, runtime, timeline=False)
     entry = model_entry(local.model) | {
         "local": {
             **summarize_times(times["local"]),
@@ -352,7 +364,7 @@ def main(cfg: SweepConfig) -> None:
         n = runtime.world_size
         cuda = runtime.device.type == "cuda"
         # the guard against swapping: on a GPU its own free memory, each rank its own; on a CPU the host's, shared
-        free, sharing = (torch.cuda.mem_get_info(runtime.device)[0], 1) if cuda else (available_bytes(), n)
+        free, sharing = memory_free_on_every_rank(runtime)
         points = cfg.points()
         fits = [
             (m, b, label) for m, b, label in points

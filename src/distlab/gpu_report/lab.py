@@ -11,7 +11,6 @@ import shutil
 from pathlib import Path
 
 from ..results import read_result
-from ..runtime import place
 from .run import Machine, finish, new_folder, not_run
 
 CONTRIBUTE = (
@@ -23,18 +22,19 @@ CONTRIBUTE = (
 def report_from_results(results: str | Path, lab: str, out: str | Path = "gpu-reports", contributor: str = ""):
     """The distlab result files in ``results`` (others are left out) as one report folder under ``out``;
     its path, or None (with one line saying why) when there is nothing to report or it fails the check."""
-    files = []
+    files, world_sizes = [], []
     for path in sorted(Path(results).glob("*.json")):
         try:
-            read_result(path)
+            record = read_result(path)
         except (OSError, ValueError):  # not a result file: the hardware facts, a checkpoint's meta
             continue
         files.append(path)
+        world_sizes.append(record.get("environment", {}).get("world_size") or 1)
     if not files:
         print(f"{lab}: no result file in {results}/ yet: run the lab's cells above first, then this one")
         return None
     machine = Machine.here()
-    ranks = place(gpus=machine.gpus).ranks
+    ranks = max(world_sizes)  # what the lab's runs were placed on, as their files say, never decided again here
     folder = new_folder(Path(out), machine, ranks)
     for path in files:
         shutil.copy(path, folder / path.name)

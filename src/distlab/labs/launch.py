@@ -21,6 +21,7 @@ from pathlib import Path
 from ..cli import flag_names, parse, parse_or_refuse
 from ..config import TrainConfig
 from ..errors import DistlabError
+from ..measure.hardware import set_nccl_transport, survey
 from ..results import read_result
 from ..runtime import Placement, place
 from ..testing import (  # the process runner; the chapters and labs reach it here, beside torchrun
@@ -92,27 +93,42 @@ def torchrun(
     target: str,
     *args: str,
     nproc: int = 2,
+    placement: Placement | None = None,
     echo: bool = True,
     timeout_s: float = 1800,
     threads_per_rank: int | None = None,
     launcher: tuple[str, ...] = (),
 ) -> JobOutput:
-    """``torchrun --standalone --nproc_per_node=nproc`` on a script path or ``-m module``.
+    """``torchrun --standalone --nproc_per_node=N`` on a script path or ``-m module``.
 
     ``target`` is a ``.py`` path or a module name (``distlab.train``); a distlab module's
     arguments are parsed with its ``main.config`` first (:func:`check_command_line`).
+    Where the ranks run is decided here, once: ``placement``, or :func:`~distlab.runtime.place` for ``nproc``
+    ranks when ``args`` do not say (``--device``/``--backend``: the caller decided). An entry point that takes
+    those flags is told the decision, so no rank decides again; N is the placement's ranks.
     ``threads_per_rank`` defaults to the cores divided among the ranks, so a
     one-rank run and a four-rank run use the same machine.
     """
+    args = tuple(str(a) for a in args)
+    told = bool({"--device", "--backend"} & set(args))
+    if placement is None and not told:
+        placement = place(nproc)
+    if placement is not None:
+        nproc = placement.ranks
+        if not told and takes_placement(entry_config(target)):
+            args = (*args, *placement.args)
     check_command_line(target, *args)  # a bad flag fails here, before any rank starts
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     command = torchrun_command(nproc, target, *args, launcher=launcher)
+    env = launcher_environment(threads_per_rank)
+    if _runs_nccl(placement, args):  # GPUs without peer access (a T4 pair): NCCL must be told before it starts
+        set_nccl_transport(survey(topology=False), environ=env)
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=launcher_environment(threads_per_rank),
+        env=env,
         start_new_session=True,
     )
     # The output streams until the job ends; a job that hangs never closes it, so a watchdog stops it.
@@ -137,6 +153,15 @@ def torchrun(
     if process.returncode != 0:
         raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {_failure_reason(lines)}")
     return JobOutput(process.returncode, output)
+
+
+def _runs_nccl(placement: Placement | None, args: tuple[str, ...]) -> bool:
+    """Whether the job's ranks talk through NCCL: its placement says so, or its command line does (a caller that
+    decided passes ``--backend nccl``, or ``--device cuda`` with the backend left to NCCL's default)."""
+    if placement is not None:
+        return placement.backend == "nccl"
+    flags = dict(zip(args, args[1:]))
+    return flags.get("--backend") == "nccl" or (flags.get("--device") == "cuda" and flags.get("--backend") != "gloo")
 
 
 def _without_folders(line: str) -> str:
@@ -168,7 +193,7 @@ def train(
         str(out),
         "--run-name",
         run_name,
-        nproc=nproc,
+        placement=placement,
         echo=echo,
         threads_per_rank=threads_per_rank,
     )

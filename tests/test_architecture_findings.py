@@ -1,0 +1,119 @@
+"""Decisions made once, in the right scope (../shared/reviews/architecture-4.md, A2-A4 and A12): each test fails
+on the code the review read (b92fcb6) for the reason it gave."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distlab.testing import run_ranks
+
+
+def _free_memory_seen_by(runtime):
+    from distlab.bench import sweep
+
+    sweep.available_bytes = lambda: (1 + runtime.rank) * 2**30  # each rank reads /proc/meminfo at its own moment
+    return sweep.memory_free_on_every_rank(runtime)
+
+
+def test_a2_the_sweeps_memory_guard_is_the_same_on_every_rank(tmp_path):
+    """A2: each rank of the sweep judged which presets fit by its own free memory, and what fits selects the
+    collectives every rank then calls: ranks on either side of the line would wait for each other forever. The
+    memory judged is now the smallest over the ranks, the same on each."""
+    assert run_ranks(_free_memory_seen_by, 2, tmp_path) == [(2**30, 2), (2**30, 2)]
+
+
+def test_a3_the_launcher_decides_where_ranks_run_and_tells_them(monkeypatch):
+    """A3: ``labs.launch.torchrun`` did not place: a page that launched two ranks without ``--device`` left each
+    rank to decide again (refused on one GPU; another result file on two). It now places (``place(nproc)``, or the
+    placement given), tells an entry point that takes ``--device``/``--backend``, and starts the placement's ranks;
+    a caller that said where keeps its flags, and a script is told nothing it cannot parse."""
+    from distlab.labs import launch
+    from distlab.runtime import Placement
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, env, **kwargs):
+        started.append(command)
+        raise Stop
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(launch, "place", lambda nproc: Placement(nproc, "cuda", "gloo", 1, "two share one GPU"))
+    cases = [
+        (("distlab.bench.ddp_step", "--steps", "2"), {"nproc": 2}, ["--steps", "2", "--device", "cuda", "--backend",
+                                                                    "gloo"], 2),
+        (("distlab.bench.ddp_step", "--device", "cpu"), {"nproc": 2}, ["--device", "cpu"], 2),
+        (("job.py", "--x", "1"), {"nproc": 3}, ["--x", "1"], 3),
+        (("distlab.bench.ddp_step",), {"placement": Placement(4, "cpu", "gloo", 0, "cpu")},
+         ["--device", "cpu", "--backend", "gloo"], 4),
+    ]  # fmt: skip
+    for args, kwargs, told, ranks in cases:
+        with pytest.raises(Stop):
+            launch.torchrun(*args, echo=False, **kwargs)
+        command = started[-1]
+        assert f"--nproc_per_node={ranks}" in command, command
+        assert command[command.index(args[0]) + 1 :] == told, command
+
+
+def test_a4_a_cpu_run_reads_no_cuda_generator_and_a_gpu_rank_saves_its_own_only(monkeypatch):
+    """A4: every checkpoint saved every visible GPU's generator (the machine's, not the run's): a CPU run on a GPU
+    machine started CUDA at each checkpoint, and a GPU checkpoint resumed on fewer GPUs failed with IndexError.
+    A rank now saves its own GPU's generator only, on a GPU run only."""
+    from distlab.train import TrainState
+
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CPU run read a CUDA generator")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", no_cuda)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_cuda)
+    assert TrainState().state_dict(torch.device("cpu"))["cuda_rng"] == []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([device.index], dtype=torch.uint8))
+    saved = TrainState().state_dict(torch.device("cuda", 1))
+    assert [t.tolist() for t in saved["cuda_rng"]] == [[1]]
+
+
+@pytest.mark.parametrize(
+    "saved, device, expected",
+    [(8, torch.device("cuda", 1), [1]), (1, torch.device("cuda", 0), [0]), (8, torch.device("cpu"), []),
+     (1, torch.device("cpu"), [])],
+    ids=["an-older-checkpoint-of-8-gpus-on-gpu-1", "this-ranks-own", "on-the-cpu", "its-own-on-the-cpu"],
+)  # fmt: skip
+def test_a4_a_resumed_rank_restores_its_own_gpus_generator_whatever_the_gpus_saved(monkeypatch, saved, device,
+                                                                                    expected):  # fmt: skip
+    from distlab.train import TrainState
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append(int(state[0])))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append("every GPU's"))
+    state = TrainState().state_dict()
+    state["cuda_rng"] = [torch.tensor([i], dtype=torch.uint8) for i in range(saved)]
+    TrainState().load_state_dict(state, device)
+    assert restored == expected
+
+
+def test_a12_a_labs_report_is_labelled_with_the_ranks_its_runs_ran_on(monkeypatch, tmp_path):
+    """A12: a lab's report labelled its ranks by deciding the placement again (one rank per GPU), not what the lab
+    ran: on one GPU it said 1 for runs made on 2 ranks sharing it. The ranks now come from the result files."""
+    from distlab.gpu_report import lab
+    from distlab.gpu_report.run import Machine
+    from distlab.results import read_result
+
+    results = tmp_path / "results"
+    results.mkdir()
+    book_results = Path(__file__).resolve().parents[1] / "book" / "results" / "ddp"
+    committed = next(p for p in sorted(book_results.glob("*.json")) if read_result(p)["environment"]["world_size"] == 2)
+    (results / committed.name).write_text(committed.read_text())
+    (results / "hardware.json").write_text(json.dumps({"gpus": ["NVIDIA H200"]}))  # not a result: left out
+    monkeypatch.setattr(Machine, "here", classmethod(lambda cls: Machine(1, 150109880320, True, ["NVIDIA H200"])))
+    written = {}
+    monkeypatch.setattr(lab, "finish", lambda folder, machine, report: written.update(report) or folder)
+    folder = lab.report_from_results(results, "lab_ddp_mnist", out=tmp_path / "reports")
+    assert written["ranks"] == 2 and written["parts"][0]["ranks"] == 2
+    assert folder.name.startswith("nvidia-h200-2x-")
