@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -161,7 +161,10 @@ def build(args, device: torch.device, dtype: torch.dtype):
             unit.forward = partial(checkpoint, unit.forward, use_reentrant=False)
     if args.wrap == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), parameters
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if device.type == "cuda" and dist.get_backend() == "gloo":  # ranks sharing a GPU: the mesh is the group itself
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")  # (some torch releases would add NCCL ranks on it)
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # Gather and compute in `dtype` (half the all-gather bytes on a GPU); reduce gradients and step in fp32.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     # Pinned host memory lets the copies to and from the GPU overlap; pinning needs a GPU driver.

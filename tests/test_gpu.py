@@ -327,6 +327,26 @@ def test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload(where, tmp_path, mo
     assert math.isfinite(result["metrics"]["epochs"][-1]["train_loss"])
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("flags", [("--fsdp-replicate", "2"), ("--fsdp-reshard-to", "2")], ids=["hsdp", "reshard-to"])
+def test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks(flags, tmp_path):
+    """P13: HSDP (``--fsdp-replicate``) and resharding to pairs (``--fsdp-reshard-to``) build a 2-D mesh, whose
+    groups DeviceMesh splits from the rank's default group, bound to its GPU and carrying both NCCL and gloo: the
+    path whose mixed-backend handling torch changed across 2.9-2.14 (pytorch/pytorch#159200, #162424). Never run:
+    it needs four GPUs, and no CPU run can reach it (a group is bound to a device only on a GPU). Until this test
+    has passed on a GPU the course does not claim either on GPUs."""
+    from distlab.labs.launch import train
+
+    if GPUS < 4:
+        pytest.skip(f"a 2-D mesh of NCCL ranks needs 4 GPUs; this machine has {GPUS}")
+    placement = place(4, gpus=GPUS)
+    argv = train_argv(CASES["fsdp-gpt-tiny-16bit"], placement, bf16=True)
+    result = train(*argv, *flags, nproc=4, out=tmp_path, echo=False)
+    assert result["environment"]["world_size"] == 4 and result["environment"]["backend"] == "nccl"
+    assert math.isfinite(result["metrics"]["epochs"][0]["train_loss"])
+
+
 LABS = sorted((ROOT / "notebooks").glob("lab*.ipynb"))
 LAB_QUICK_STOP = {
     "lab0_first_run": "--run-name lab0-single",
@@ -382,6 +402,10 @@ def play_lab(lab: Path, tmp_path: Path, monkeypatch, quick: bool):
     devices = {r.get("environment", {}).get("device", "") for r in gpu_results}
     assert gpu_results, "the lab wrote no result"
     assert any(d.startswith("cuda") for d in devices), devices  # nothing on the CPU beside a GPU
+    step = working / "results" / "mnist-ddp-step.json"
+    if step.is_file():  # P14: the profiled DDP step draws its all-reduces, NCCL's kernels or gloo's CPU threads
+        lanes = {interval["lane"] for interval in json.loads(step.read_text())["metrics"]["timeline"]}
+        assert lanes == {"compute", "communication"}, lanes
 
 
 @pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
@@ -429,6 +453,9 @@ send CUDA tensors over NCCL on two GPUs."""
 @pytest.mark.gpu
 @needs_gpu
 def test_the_grader_passes_every_solution_on_cuda_ranks(name):
+    """P11: on one GPU only the one-rank exercises place on CUDA, and they are arithmetic (a copy's time, bytes per
+    step): what they prove there is that a one-rank NCCL group starts. The exercises that send CUDA tensors point to
+    point over NCCL (the rings, ZeRO, overlap) need two GPUs: Kaggle's pair, or a two-GPU machine."""
     exercise = all_exercises()[name]
     placement = _placement(exercise, None, "auto")
     if placement.device != "cuda":

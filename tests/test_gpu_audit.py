@@ -257,3 +257,102 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "no CUDA GPU here" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_p5_the_full_reports_sweep_is_planned_with_its_builds():
+    """P5: the full report's sweep planned its steps but not its builds: on one H200, gpt-mini, gpt-small and
+    gpt-medium with the FSDP2 point build 11.9 billion values, about 240 s more than planned, and the part was to be
+    stopped at 300 s. The plan now counts every build at the slowest rate measured on the H200's host (33 M values
+    a second), leaves out the presets that do not fit, and stays under the part's limit."""
+    from distlab.gpu_report.run import (
+        BUILD_VALUES_PER_S,
+        SWEEP_PREDICTED_S,
+        SWEEP_TIMEOUT_S,
+        Machine,
+        build_seconds,
+        planned_seconds,
+        sweep_sizes,
+    )  # fmt: skip
+
+    for machine in (Machine(1, 150109880320, True, ["NVIDIA H200"]),
+                    Machine(8, 85899345920, True, ["NVIDIA H100 80GB HBM3"] * 8)):  # fmt: skip
+        sizes = sweep_sizes(machine)
+        assert planned_seconds(sizes) <= SWEEP_PREDICTED_S < SWEEP_TIMEOUT_S
+        counted = sum((2 * len(s.step_s) + 1 if not s.alone else len(s.step_s)) * sweep_parameters(s.model)
+                      for s in sizes)  # fmt: skip
+        assert build_seconds(sizes) == pytest.approx(counted / BUILD_VALUES_PER_S)
+        assert build_seconds(sizes) > planned_seconds(sizes) / 2  # the builds are most of a sized sweep's time
+        assert sizes[-1].alone  # the FSDP2 point still runs
+
+
+def sweep_parameters(model: str) -> int:
+    from distlab.bench.sweep import preset_parameters
+
+    return preset_parameters(model)
+
+
+def test_p8_an_nccl_job_on_gpus_without_peer_access_is_launched_with_nccls_transport_set(monkeypatch):
+    """P8: the GPU report, ``labs.launch`` and the tier never set ``NCCL_P2P_DISABLE``/``NCCL_CUMEM_HOST_ENABLE``
+    on GPUs without peer access (a T4 pair), where NCCL's cuMem host buffers fail with CUDA error 217. Every NCCL
+    job ``labs.launch.torchrun`` starts on such a machine now gets both (a gloo job, which has no NCCL, does not)."""
+    from distlab.labs import launch
+    from distlab.runtime import Placement
+
+    t4_pair = {"gpus": ["Tesla T4"] * 2, "peer_access": [[None, False], [False, None]], "dev_shm": None}
+    monkeypatch.setattr(launch, "survey", lambda topology=True: dict(t4_pair))
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    monkeypatch.delenv("NCCL_CUMEM_HOST_ENABLE", raising=False)
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, env, **kwargs):
+        started["env"] = env
+        raise Stop
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    for backend, expected in (("nccl", {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0"}), ("gloo", {})):
+        placement = Placement(2, "cuda", backend, 2, "test")
+        with pytest.raises(Stop):
+            launch.torchrun("job.py", placement=placement, echo=False)
+        got = {k: v for k, v in started["env"].items() if k in ("NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE")}
+        assert got == expected, backend
+    import os
+
+    assert "NCCL_P2P_DISABLE" not in os.environ  # the job's environment, not the caller's
+
+
+def test_p15_a_step_benchmark_keeps_rank_0s_memory_timeline_only(tmp_path):
+    """P15: fsdp-options kept every rank's memory timeline for every option, about 0.9 MB a rank on gpt-small, so
+    an 8-rank report neared its 8 MiB file cap. Only rank 0's is kept (the one every page draws)."""
+    from distlab.testing import run_torchrun
+
+    done = run_torchrun(2, "distlab.bench.fsdp_options", "--model", "gpt-tiny", "--variants", "fsdp", "--steps",
+                        "1", "--warmup", "0", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
+                        "--out", str(tmp_path), "--name", "options")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = read_result(tmp_path / "options.json")["metrics"]["variants"]
+    ranks = row["memory"]["ranks"]
+    assert "timeline" in ranks[0] and all("timeline" not in rank for rank in ranks[1:])
+    assert all(rank["activations_peak"] > 0 for rank in ranks)
+
+
+def test_p16_fsdp2_on_gloo_ranks_sharing_a_gpu_meshes_the_default_group_itself(monkeypatch):
+    """P16: on a torch whose DeviceMesh builds a new ``cpu:gloo,cuda:nccl`` group for a 1-D mesh over a gloo
+    default group, FSDP2 on two gloo ranks sharing one GPU would put two NCCL ranks on that GPU. The mesh is now
+    the default group itself wherever gloo ranks run on CUDA (the library and the FSDP lab's script)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from distlab.parallel.fsdp2 import FSDP2
+    from distlab.runtime import Runtime
+
+    seen = []
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda group, device_type: seen.append(
+        (group, device_type)) or "mesh"))  # fmt: skip
+    shared = Runtime(1, 1, 2, torch.device("cuda", 0), "gloo")
+    assert FSDP2().device_mesh(shared) == "mesh"
+    assert seen == [(dist.group.WORLD, "cuda")]
+    script = (ROOT / "scripts" / "fsdp_train.py").read_text()
+    assert 'DeviceMesh.from_group(dist.group.WORLD, "cuda")' in script

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bench.sweep import FSDP2_VARIANTS, VARIANTS, resident_bytes_per_rank
+from ..bench.sweep import FSDP2_VARIANTS, VARIANTS, preset_parameters, resident_bytes_per_rank
 from ..errors import DistlabError
 from ..labs.launch import placement_args, torchrun
-from ..measure.hardware import nccl_settings, survey
+from ..measure.hardware import nccl_settings, set_nccl_transport, survey
 from ..plots.gpu_report import save_pictures
 from ..predict import gpu_predictions
 from ..results import environment, read_result
@@ -39,11 +39,15 @@ SWEEP_SEQ_LEN = 256
 LAUNCH_BOUND_BATCH = 8
 """The launch-bound point's sequences per rank: the first GPU run's size (8 x 256 tokens), kept as one point."""
 SWEEP_STEPS, SWEEP_WARMUP = 8, 2
-SWEEP_TIMEOUT_S = 300.0
-SWEEP_PREDICTED_S = 120.0
-"""The most a sized sweep may be predicted to take (:func:`distlab.predict.gpu_predictions.sweep_seconds`): well
-under the part's ``SWEEP_TIMEOUT_S``, for the builds, the launch-bound point, and a small model's MFU below the
-cited one."""
+SWEEP_TIMEOUT_S = 420.0
+SWEEP_PREDICTED_S = 300.0
+"""The most a sized sweep may be predicted to take, its steps (:func:`distlab.predict.gpu_predictions.sweep_seconds`)
+and its builds (:func:`build_seconds`): under the part's ``SWEEP_TIMEOUT_S``, for the launch-bound point, the
+collectives, and a small model's MFU below the cited one. The report's other parts take about 100 s of its 600."""
+BUILD_VALUES_PER_S = 30e6
+"""How fast a rank draws a model's initial weights (on its CPU, seeded, module by module; every build draws the
+whole model, whatever the world size): below the slowest rate measured, gpt-small on one H200's host, 33 M values
+a second (tests/gpu-runs/2026-11-28-h200; gpt-medium drew 123 M/s there, and 50-58 M/s on a 2-core CPU)."""
 FSDP_OPTIONS = ("fsdp", "explicit_prefetch", "prefetch_depth_2", "offload", "checkpointing")
 
 
@@ -89,7 +93,7 @@ def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:
     (:func:`distlab.predict.gpu_predictions.sweep_size`: compute at the GPU's cited peak times its MFU at least three
     times the step's fixed costs, within its memory); the GPU found by name as the report's predictions find it, or
     the fallback figures for one the course cites nothing for. Presets that fit at no such batch are left out, and
-    the largest ones while the sweep is predicted to take more than ``SWEEP_PREDICTED_S``.
+    the largest ones while the sweep, its builds included, is predicted to take more than ``SWEEP_PREDICTED_S``.
 
     Where an FSDP2 variant is dominated at none of them, the last size is the FSDP2 point: the smallest of
     ``FSDP2_PRESETS`` at which every FSDP2 variant is, each run alone (:func:`fsdp2_size`)."""
@@ -107,10 +111,25 @@ def sweep_sizes(machine: Machine) -> list[gpu_predictions.SweepSize]:
             sizes.append(size)
     undominated = [v for v in FSDP2_VARIANTS if not any(v in size.dominated for size in sizes)]
     alone = fsdp2_size(machine, gpu, precision, system) if sizes and undominated else None
-    budget = SWEEP_PREDICTED_S - (gpu_predictions.sweep_seconds([alone], SWEEP_STEPS + SWEEP_WARMUP) if alone else 0)
-    while sizes and gpu_predictions.sweep_seconds(sizes, SWEEP_STEPS + SWEEP_WARMUP) > budget:
+    budget = SWEEP_PREDICTED_S - (planned_seconds([alone]) if alone else 0)
+    while sizes and planned_seconds(sizes) > budget:
         sizes.pop()
     return sizes + [alone] if sizes and alone else sizes
+
+
+def build_seconds(sizes: list[gpu_predictions.SweepSize]) -> float:
+    """The sweep's builds at ``BUILD_VALUES_PER_S``: a shared point builds the calibration copy and every variant,
+    then every variant again, alone, for CUDA's peaks; the FSDP2 point builds each of its variants once."""
+    values = 0
+    for size in sizes:
+        builds = len(size.step_s) if size.alone else 2 * len(size.step_s) + 1
+        values += builds * preset_parameters(size.model)
+    return values / BUILD_VALUES_PER_S
+
+
+def planned_seconds(sizes: list[gpu_predictions.SweepSize]) -> float:
+    """A sized sweep's predicted time: its steps and its builds."""
+    return gpu_predictions.sweep_seconds(sizes, SWEEP_STEPS + SWEEP_WARMUP) + build_seconds(sizes)
 
 
 def fsdp2_size(machine: Machine, gpu, precision: str, system) -> gpu_predictions.SweepSize | None:
@@ -315,11 +334,14 @@ def finish(folder: Path, machine: Machine, report: dict) -> Path:
 def write_report(out: Path, contributor: str = "", budget_s: float = 600, quick: bool = False) -> Path:
     """Run every part into a new folder under ``out``; write ``report.json`` and its pictures; check it (all but
     its failed parts, which mark it ``"status": "failed"``: :func:`schema.failed_parts` lists them)."""
-    machine = Machine.here()
+    facts = survey(topology=False)
+    machine = Machine.from_survey(facts)
     every = place(gpus=machine.gpus)  # the ranks the report's parts run on, decided once
     folder = new_folder(out, machine, every.ranks)
     deadline = time.perf_counter() + budget_s
     print(f"gpu_report: {every.reason}", flush=True)
+    # GPUs without peer access (a T4 pair): every part's NCCL runs with this transport, and the report says so
+    print(f"gpu_report: {set_nccl_transport(facts)}", flush=True)
     parts = []
     for part in plan(machine, quick):
         print(f"gpu_report: {part.name}: {part.skip or part.what}", flush=True)

@@ -128,9 +128,18 @@ class FSDP2(Strategy):
 
     def device_mesh(self, runtime):
         """A 1-D mesh over every rank, or HSDP's 2-D one: ``replicate`` rows of ``N / replicate`` ranks, each row
-        one replica that shards the model (rank r in row r // (N / replicate)), each column one shard's replicas."""
-        from torch.distributed.device_mesh import init_device_mesh
+        one replica that shards the model (rank r in row r // (N / replicate)), each column one shard's replicas.
 
+        On GPUs a 2-D mesh (and ``reshard_to``'s) is split from a default group bound to the rank's GPU that
+        carries NCCL and gloo, a path whose handling torch changed across releases; it has not run on GPUs yet (it
+        needs four: ``tests/test_gpu.py::test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks``)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        if self.replicate == 1 and runtime.device.type == "cuda" and runtime.backend == "gloo":
+            # Ranks sharing a GPU through gloo: the mesh is the default group itself. Asked for a new group instead,
+            # some torch releases build it as cpu:gloo,cuda:nccl, two NCCL ranks on one GPU, which NCCL refuses.
+            return DeviceMesh.from_group(dist.group.WORLD, "cuda")
         if self.replicate == 1:
             return init_device_mesh(runtime.device.type, (runtime.world_size,))
         shape = (self.replicate, runtime.world_size // self.replicate)
