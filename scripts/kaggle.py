@@ -1,7 +1,8 @@
 """Bundle the course for Kaggle: the distlab wheel as a dataset, and every lab as a notebook on "GPU T4 x2".
 
-    python scripts/kaggle.py <kaggle-user>              # writes _build/kaggle/ (git-ignored)
+    python scripts/kaggle.py <kaggle-user>              # writes _build/kaggle/ (git-ignored), then says what next
     kaggle datasets create -p _build/kaggle/distlab-wheel
+    kaggle datasets status <kaggle-user>/distlab-wheel  # until it says ready
     kaggle kernels push -p _build/kaggle/distlab-lab0-first-run
 
 The labs install distlab from the wheel they find under /kaggle/input (scripts/lab_setup.py, the start of
@@ -102,10 +103,18 @@ def build_wheel(out: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(ROOT / "pyproject.toml", tmp)
         shutil.copytree(ROOT / "src", Path(tmp) / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        # With setuptools already here the build needs no network; without it pip fetches it for an isolated build.
-        offline = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+        # A setuptools that builds wheels itself (70.1 and newer) needs no network; an older one (Python 3.11's venv
+        # has 65.5, without the wheel package) cannot, so pip fetches a new one for an isolated build.
+        find = importlib.util.find_spec
+        builds_wheels = find("setuptools") and find("setuptools.command.bdist_wheel")
+        offline = ["--no-build-isolation"] if builds_wheels else []
         pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", *offline, "--wheel-dir", str(out), tmp]
-        subprocess.run(pip, check=True)
+        if subprocess.run(pip).returncode != 0:
+            raise SystemExit(
+                "kaggle.py: pip could not build the distlab wheel (its lines above say why): it needs "
+                "setuptools 70.1 or newer, or the network to fetch one; `python -m pip install -U setuptools` "
+                "and run this again"
+            )
     (wheel,) = out.glob("distlab-*.whl")
     return wheel
 
@@ -126,6 +135,20 @@ def kernel_notebook(lab: Path, git: str | None) -> dict:
     return notebook
 
 
+def source_commit() -> str:
+    """The checkout's commit the wheel is built from (``-dirty`` with changes not committed), or why not."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src", "pyproject.toml"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "a copy of the course (no git)"
+    if head.returncode != 0:
+        return "a copy of the course (not a git checkout)"
+    return f"commit {head.stdout.strip()}" + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def bundle(user: str, out: Path = OUT, git: str | None = None, public: bool = False) -> list[Path]:
     """Write the wheel dataset and one kernel folder per lab under ``out``; returns the folders."""
     dataset = out / DATASET
@@ -137,8 +160,8 @@ def bundle(user: str, out: Path = OUT, git: str | None = None, public: bool = Fa
         "title": "distlab wheel",
         "id": f"{user}/{DATASET}",
         "subtitle": "The distlab course package, for its labs to pip-install",
-        "description": f"`{wheel.name}`, built by scripts/kaggle.py. The labs install it with "
-        "`pip install --no-index --no-deps --find-links <its folder> distlab`, which leaves torch alone.",
+        "description": f"`{wheel.name}`, built by scripts/kaggle.py from {source_commit()}. The labs install it "
+        "with `pip install --no-index --no-deps --find-links <its folder> distlab`, which leaves torch alone.",
         "licenses": [{"name": "unknown"}],
     }
     (dataset / "dataset-metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
@@ -178,12 +201,37 @@ def main(argv: list[str] | None = None) -> None:
             apply_setup(path)
             print(f"{path}: set-up from {SETUP.relative_to(ROOT)}, Kaggle metadata for GPU T4 x2")
         return
-    if not args.user or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", args.user):
-        parser.error("give your Kaggle user name (letters, digits, '-' and '_')")
+    if not args.user or not re.fullmatch(USER, args.user):
+        parser.error(
+            f"give your Kaggle user name as your profile's address spells it (kaggle.com/<name>): lower-case "
+            f"letters and digits, joined by single '-' or '_', not {args.user!r}"
+        )
     dataset, *kernels = (os.path.relpath(folder) for folder in bundle(args.user, args.out, args.git, args.public))
-    print(f"kaggle datasets create -p {dataset}   # once; then: kaggle datasets version -p {dataset} -m update")
-    for folder in kernels:
-        print(f"kaggle kernels push -p {folder}")
+    print(next_steps(args.user, dataset, kernels, args.public))
+
+
+USER = r"[a-z0-9]+(?:[_-][a-z0-9]+)*"
+"""A Kaggle owner's slug, as Kaggle's own client checks one (kaggle 2.2.5): lower case."""
+
+
+def next_steps(user: str, dataset: str, kernels: list[str], public: bool) -> str:
+    """What to do with the bundle, in order: what Kaggle asks of a first push, and how to follow a run."""
+    visibility = " --public" if public else ""  # a public notebook whose dataset is private runs for nobody else
+    first = kernels[0]
+    slug = Path(first).name
+    lines = [
+        "Next, with Kaggle's command line (`pip install kaggle six`: kaggle 2.2.5 imports six without declaring it)",
+        "and your API token in ~/.kaggle/kaggle.json. GPUs and Internet need a phone-verified Kaggle account.",
+        f"1. the wheel, once:  kaggle datasets create -p {dataset}{visibility}",
+        f"   (after a change:  kaggle datasets version -p {dataset} -m update)",
+        f"   wait until        kaggle datasets status {user}/{DATASET}   says ready",
+        f"2. one lab at a time (Kaggle runs at most two GPU sessions at once):  kaggle kernels push -p {first}",
+        f"3. follow it:        kaggle kernels status {user}/{slug}",
+        f"   fetch its output: kaggle kernels output {user}/{slug} -p {slug}-output",
+        "   then the others, one at a time:",
+        *(f"   kaggle kernels push -p {folder}" for folder in kernels[1:]),
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,14 @@ def distlab_source() -> list[str]:
         return [os.environ["DISTLAB_SOURCE"]]
     raise SystemExit(
         "distlab is not installed: on Kaggle, add the distlab wheel dataset to this notebook (right-hand panel, "
-        "Input > Add Input) and run this cell again; elsewhere, set DISTLAB_SOURCE to a clone of the course."
+        "Input > Add Input) and run this cell again (a pushed notebook names it already: the dataset may still be "
+        "processing, so wait until `kaggle datasets status <you>/distlab-wheel` says ready); elsewhere, set "
+        "DISTLAB_SOURCE to a clone of the course."
     )
+
+
+# MNIST goes outside /kaggle/working on Kaggle, which keeps that folder as the notebook's output (65 MB of it).
+DATA_DIR = os.path.expanduser("~/.cache/distlab/data") if os.path.isdir("/kaggle/working") else "data"
 
 
 def print_placement(placement) -> None:

@@ -116,10 +116,11 @@ def _fetch_or_explain(name: str, root: str, runtime: Runtime, download: bool) ->
     if runtime.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     if box[0]:
-        raise DistlabError(
-            f"{name} is not in {os.path.abspath(root)} and was not downloaded ({box[0]}); "
-            f"put the files there (--data-dir), or train offline with --dataset synthetic"
-        )
+        where = f"{name} is not in {os.path.abspath(root)} and was not downloaded ({box[0]})"
+        if os.path.isdir("/kaggle"):  # a notebook sets the flags; the learner's fix is the kernel's settings
+            raise DistlabError(f"{where}: on Kaggle, turn Settings > Internet on (it needs a phone-verified account) "
+                               "and run the cell again")  # fmt: skip
+        raise DistlabError(f"{where}; put the files there (--data-dir), or train offline with --dataset synthetic")
 
 
 def load_datasets(

@@ -70,7 +70,9 @@ def describe(facts: dict[str, Any]) -> str:
     """One line: the GPUs this machine has, and whether they are what the labs are written for."""
     names, expected = facts["gpus"], f"{EXPECTED_GPUS} x {EXPECTED_MODEL}"
     if not names:
-        return f"No CUDA GPU here, not the {expected} this lab is written for: it runs its CPU version."
+        return (
+            f"No CUDA GPU here, not the {expected} this lab is written for ({KAGGLE_SETTING}): it runs its CPU version."
+        )
     got = ", ".join(f"{names.count(name)} x {name}" for name in dict.fromkeys(names))
     if len(names) == EXPECTED_GPUS and all(EXPECTED_MODEL in name for name in names):
         return f"{got}: the hardware this lab is written for."
