@@ -2,12 +2,16 @@
 
 The same inputs go to ``distlab.predict.calculator.memory_per_rank`` and to ``distlabMemoryPerRank`` of
 ``book/_static/distlab-calculator.js`` (run by ``node`` where it is on PATH, else in Debian's Chromium
-through Playwright; skipped only without either); every byte of every row must agree. The defaults of
-the page's fragment (``book/_static/calculator.html``) are checked against the arithmetic by hand.
+through Playwright; skipped only without either); every byte of every row must agree, under every precision
+choice. The defaults of the page's fragment (``book/_static/calculator.html``: torch's defaults) and the page's
+rules (torch DDP under autocast holds 20 B a parameter with Adam; FULL_SHARD sends DDP's bytes with an fp32
+reduce-scatter, three quarters of them with torch's 16-bit default) are checked against arithmetic by hand, and
+the bytes sent against :mod:`distlab.predict.traffic` and :data:`distlab.predict.gpu_predictions.POLICIES`.
 """
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import re
@@ -18,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from distlab.predict.calculator import (
+    DEFAULT_PRECISION,
     GIB,
     OPTIMIZERS,
     PRECISIONS,
-    REDUCE_DTYPES,
     ROW_FIELDS,
     STRATEGIES,
     Inputs,
@@ -32,7 +36,9 @@ from distlab.predict.calculator import (
     transformer_from,
     transformer_inputs,
 )
+from distlab.predict.gpu_predictions import POLICIES
 from distlab.predict.memory import BYTES_PER_VALUE, STEP_COUNTER_BYTES
+from distlab.predict.traffic import expected_bytes_per_step
 
 STATIC = Path(__file__).resolve().parents[1] / "book" / "_static"
 SCRIPT = STATIC / "distlab-calculator.js"
@@ -44,7 +50,11 @@ const attempt = (f) => (i) => { try { return f(i); } catch (e) { return {error: 
 process.stdout.write(JSON.stringify({
   rows: inputs.map(attempt(calculator.distlabMemoryPerRank)),
   largest: inputs.map(attempt(calculator.distlabLargestFitting)),
-  constants: {bytes_per_value: calculator.BYTES_PER_VALUE, step_counter_bytes: calculator.STEP_COUNTER_BYTES},
+  constants: {
+    bytes_per_value: calculator.BYTES_PER_VALUE,
+    step_counter_bytes: calculator.STEP_COUNTER_BYTES,
+    precisions: calculator.PRECISIONS,
+  },
 }));
 """
 IN_PAGE = """inputs => {
@@ -99,8 +109,8 @@ LAYERS = [
 
 
 def _grid() -> list[dict]:
-    """Sizes from 1e6 to 7e10, odd ones included (their shards pad), on 1 to 8 GPUs, every precision, optimizer
-    and reduce dtype, activations typed or counted by the formula."""
+    """Sizes from 1e6 to 7e10, odd ones included (their shards pad), on 1 to 8 GPUs, every precision choice and
+    optimizer, activations typed or counted by the formula."""
     sizes = [1_000_000, 1_234_567, 124_439_808, 7_000_000_000, 13_000_000_007, 70_000_000_000]
     memories, activations, units = [16, 40, 80], [0.0, 1.5, 0.3], [1, 32, 7]
     cases = itertools.product(sizes, range(1, 9), PRECISIONS, OPTIMIZERS)
@@ -113,7 +123,6 @@ def _grid() -> list[dict]:
             "optimizer": optimizer,
             "activations_gib": activations[index % 3],
             "shard_units": units[index % 3],
-            "reduce_dtype": list(REDUCE_DTYPES)[index % 2],
             "transformer": LAYERS[index % len(LAYERS)],
         }
         for index, (size, gpus, precision, optimizer) in enumerate(cases)
@@ -138,6 +147,11 @@ def test_the_page_and_the_library_agree_to_the_byte():
     if answer["constants"] is not None:
         assert answer["constants"]["bytes_per_value"] == {f"{o},{p}": list(v) for (o, p), v in BYTES_PER_VALUE.items()}
         assert answer["constants"]["step_counter_bytes"] == STEP_COUNTER_BYTES
+        assert answer["constants"]["precisions"] == {
+            key: {name: value for name, value in vars(precision).items() if name != "label"}
+            for key, precision in PRECISIONS.items()
+        }
+    assert {inputs["precision"] for inputs in grid} == set(PRECISIONS)
 
 
 def test_the_page_and_the_library_agree_on_the_largest_model_that_fits():
@@ -160,22 +174,25 @@ def test_the_page_and_the_library_agree_on_the_largest_model_that_fits():
     assert not differ, f"{len(differ)} of {len(machines)} differ, e.g. {differ[0]}"
 
 
-def test_the_largest_model_that_fits_is_the_threshold():
-    largest = largest_fitting_parameters(Inputs(2, 16.0, "mixed", "adam", 0.5, 32))
+@pytest.mark.parametrize("precision, buckets", [("torch", 4), ("zero-paper", 2)])
+def test_the_largest_model_that_fits_is_the_threshold(precision, buckets):
+    machine = (2, 16.0, precision, "adam", 0.5, 32)
+    largest = largest_fitting_parameters(Inputs(*machine))
     for label, parameters in largest.items():
         index = list(STRATEGIES).index(label)
-        assert rows_for(parameters, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
-        assert not rows_for(parameters + 1, 2, 16.0, "mixed", "adam", 0.5, 32)[index]["fits"], label
+        assert rows_for(parameters, *machine)[index]["fits"], label
+        assert not rows_for(parameters + 1, *machine)[index]["fits"], label
     assert largest["DDP, gradient_as_bucket_view"] == (16 * GIB - GIB // 2 - 4) // 16  # 16 B/param, one step counter
-    assert largest["DDP, torch's default buckets"] == (16 * GIB - GIB // 2 - 4) // 18  # and 2 B of buckets
+    assert largest["DDP, torch's default buckets"] == (16 * GIB - GIB // 2 - 4) // (16 + buckets)  # and the buckets
 
 
 def _fragment_defaults() -> dict:
     """The inputs the page opens with, read from the fragment's <input value> and <option selected>."""
-    html = FRAGMENT.read_text()
-    values = dict(re.findall(r'<input name="(\w+)"[^>]*\svalue="([^"]*)"', html))
-    for name, options in re.findall(r'<select name="(\w+)">(.*?)</select>', html, re.S):
-        values[name] = re.search(r'<option value="(\w+)" selected>', options).group(1)
+    page = FRAGMENT.read_text()
+    values = dict(re.findall(r'<input name="(\w+)"[^>]*\svalue="([^"]*)"', page))
+    for name, options in re.findall(r'<select name="(\w+)">(.*?)</select>', page, re.S):
+        assert len(re.findall(r"<option [^>]*selected", options)) == 1, f"{name}: one option selected"
+        values[name] = re.search(r'<option value="([\w-]+)" selected>', options).group(1)
     return {
         "parameters": round(float(values.pop("billions")) * 1e9),
         "gpus": int(values.pop("gpus")),
@@ -183,49 +200,145 @@ def _fragment_defaults() -> dict:
         "activations_gib": float(values.pop("activations_gib")),
         "shard_units": int(values.pop("shard_units")),
         "transformer": None if values.pop("activations_from") == "typed" else "formula",
-        **{name: values.pop(name) for name in ("precision", "optimizer", "reduce_dtype")},
+        **{name: values.pop(name) for name in ("precision", "optimizer")},
     }
 
 
-def test_the_page_opens_on_7b_on_two_16_gib_gpus_where_nothing_fits():
-    """The notes' "7B on 2 GPUs: ~14 GB each, fits" counts only the weights; with Adam nothing fits."""
+P, HALF = 7_000_000_000, 3_500_000_000
+UNIT = P // 32  # one of a 7B model's 32 blocks: 218,750,000 values, which 2 and 8 ranks divide evenly
+ZERO_BUCKET = 5 * 2**20 // 4  # the course's ZeRO-2 holds one 5 MB bucket of fp32-sized values whole
+
+
+def test_the_page_opens_on_torch_defaults_7b_on_two_16_gib_gpus_where_nothing_fits():
+    """The notes' "7B on 2 GPUs: ~14 GB each, fits" counts only the weights; with Adam nothing fits. The page
+    opens on torch's own setups: DDP under autocast holds fp32 state, 20 B a parameter with its default buckets,
+    and FSDP2 with a 16-bit param_dtype and reduce_dtype=None sends three quarters of DDP's bytes."""
     defaults = _fragment_defaults()
     assert defaults == {
-        "parameters": 7_000_000_000,
+        "parameters": P,
         "gpus": 2,
         "memory_gib": 16.0,
-        "precision": "mixed",
+        "precision": "torch",
         "optimizer": "adam",
         "activations_gib": 0.0,
         "shard_units": 32,
-        "reduce_dtype": "fp32",
         "transformer": None,
     }
+    assert DEFAULT_PRECISION == "torch" and Inputs(2, 16.0).precision == "torch"
     rows = {row["strategy"]: row for row in rows_for(**defaults)}
-    p, half = 7_000_000_000, 3_500_000_000
-    unit_whole = 2 * -(-(p // 32) // 2) * 2  # one 218,750,000-value block, padded to 2 ranks, in bf16
-    assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * p + 4  # 2 + 2 + 12 B/param, one Adam step counter
-    assert rows["DDP, torch's default buckets"]["total"] == 18 * p + 4  # and every 16-bit gradient again
-    assert rows["ZeRO-1"]["total"] == 2 * p + 2 * p + 12 * half + 4
-    assert rows["ZeRO-2"]["total"] == 2 * p + 2 * half + 12 * half + 4 + 2 * (5 * 2**20 // 4)  # one bucket whole
-    assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] == 16 * half + 32 * 4 + unit_whole
-    assert rows["FSDP SHARD_GRAD_OP"]["total"] == 16 * half + 32 * 4 + 2 * p
+    held = {label: row["total"] for label, row in rows.items()}
+    assert held["DDP, torch's default buckets"] == 4 * P + 4 * P + 8 * P + 4 + 4 * P  # 20 B/param, one step counter
+    assert held["DDP, gradient_as_bucket_view"] == 16 * P + 4
+    assert held["ZeRO-1"] == 4 * P + 4 * P + 8 * HALF + 4  # fp32 parameters and flat gradients whole, Adam halved
+    assert held["ZeRO-2"] == 4 * P + 4 * HALF + 8 * HALF + 4 + 4 * ZERO_BUCKET
+    assert held["FSDP FULL_SHARD (ZeRO-3)"] == 16 * HALF + 32 * 4 + 2 * UNIT  # fp32 shards, one bf16 block gathered
+    assert held["FSDP SHARD_GRAD_OP"] == 16 * HALF + 32 * 4 + 2 * P  # every block gathered in bf16
+    sent = {label: row["sent"] for label, row in rows.items()}
+    assert sent["DDP, torch's default buckets"] == sent["DDP, gradient_as_bucket_view"] == 2 * 1 * HALF * 4
+    assert sent["ZeRO-1"] == sent["ZeRO-2"] == 1 * HALF * (4 + 4)  # fp32 reduce-scatter, fp32 parameters gathered
+    assert sent["FSDP FULL_SHARD (ZeRO-3)"] == 1 * HALF * (2 + 2 * 2) == 3 * P  # 16-bit, 0.75x DDP's 4 B/param
+    assert sent["FSDP SHARD_GRAD_OP"] == 1 * HALF * (2 + 2)
+    assert rows["FSDP FULL_SHARD (ZeRO-3)"]["sent_vs_ddp"] == 0.75
     assert not any(row["fits"] for row in rows.values())
     assert min(rows.values(), key=lambda row: row["total"])["strategy"] == "FSDP FULL_SHARD (ZeRO-3)"
     assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] > 3 * 16 * GIB  # over three times a T4's memory
-    assert run_calculator_js([defaults])["rows"][0] == list(rows.values())
+    no_precision = {k: v for k, v in defaults.items() if k != "precision"}
+    assert run_calculator_js([defaults, no_precision])["rows"] == [list(rows.values())] * 2  # the JS opens there too
 
 
-def test_the_reduce_dtype_choices_say_whose_they_are():
-    """fp32 reductions are DDP's under autocast and the course's FSDP2 policy, not torch's FSDP2 default: its
-    MixedPrecisionPolicy leaves reduce_dtype None, which reduces in the 16-bit param_dtype
-    (tests/test_gpu_predictions.py runs it on gloo ranks)."""
-    select = re.search(r'<select name="reduce_dtype">(.*?)</select>', FRAGMENT.read_text(), re.S).group(1)
-    labels = dict(re.findall(r'<option value="([\w-]+)"[^>]*>([^<]*)</option>', select))
-    assert set(labels) == set(REDUCE_DTYPES)
-    assert "the course's policy" in labels["fp32"] and "autocast" in labels["fp32"]
-    assert "torch's default" not in labels["fp32"]
-    assert "FSDP2's default" in labels["16-bit"] and "param_dtype" in labels["16-bit"]
+# The page's own wiring (wireAll, readInputs, render) under node, on a stand-in for the fragment's DOM: its form's
+# elements hold the fragment's values, and the table's rows come back as the text of their cells.
+RENDER_RUNNER = """
+const [script, fragment, precision] = process.argv.slice(1);
+const fs = require("fs");
+const page = fs.readFileSync(fragment, "utf8");
+const elements = {};
+for (const [, name, rest] of page.matchAll(/<input name="(\\w+)"([^>]*)>/g)) {
+  elements[name] = { value: (/\\svalue="([^"]*)"/.exec(rest) || [0, ""])[1], checked: false };
+}
+for (const [, name, options] of page.matchAll(/<select name="(\\w+)">([\\s\\S]*?)<\\/select>/g)) {
+  elements[name] = { value: /<option value="([\\w-]+)" selected>/.exec(options)[1] };
+}
+if (precision) elements.precision.value = precision;
+const output = { textContent: "" }, rows = [];
+const tbody = { replaceChildren: (...trs) => rows.splice(0, rows.length, ...trs) };
+const form = { elements, addEventListener() {} };
+const parts = { form, output, tbody };
+const calculator = { querySelector: (s) => parts[s] ?? null, querySelectorAll: () => [] };
+const cell = () => ({ children: [], textContent: "", append(c) { this.children.push(c); } });
+const window = { document: { readyState: "complete", querySelectorAll: () => [calculator], createElement: cell } };
+new Function("window", "document", "module", fs.readFileSync(script, "utf8"))(window, window.document, undefined);
+const cells = rows.map((tr) => tr.children.map((td) => td.textContent));
+process.stdout.write(JSON.stringify({ output: output.textContent, rows: cells }));
+"""
+
+
+def render_page(precision: str | None = None) -> dict:
+    """What the page shows when it opens (or with ``precision`` chosen): its <output> and its table's cells."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run the page's wiring")
+    done = subprocess.run(
+        [node, "-e", RENDER_RUNNER, str(SCRIPT), str(FRAGMENT), precision or ""], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_page_shows_torch_defaults_when_it_opens():
+    """The table the reader first sees: torch DDP at 20 B a parameter (130.39 GiB for 7B), FULL_SHARD sending
+    0.75x DDP's bytes; with the course's policy 1x, in fp32 1.5x."""
+    shown = render_page()
+    assert shown["output"].startswith("Nothing fits on 2 GPUs of 16 GiB")
+    cells = {row[0]: row for row in shown["rows"]}
+    assert list(cells) == list(STRATEGIES)
+    assert cells["DDP, torch's default buckets"][7] == f"{(20 * P + 4) / GIB:.2f}"
+    assert cells["FSDP FULL_SHARD (ZeRO-3)"][9] == f"{3 * P / GIB:.2f} (0.75x DDP)"
+    assert render_page("course")["rows"][4][9] == f"{4 * P / GIB:.2f} (1.00x DDP)"
+    assert render_page("fp32")["rows"][4][9] == f"{6 * P / GIB:.2f} (1.50x DDP)"
+
+
+def test_seven_billion_on_eight_80_gib_gpus_by_hand():
+    """8 x 80 GiB: DDP does not fit in any precision (at least 16 B/param is 104 GiB), ZeRO-1 and on do; FULL_SHARD
+    sends 0.75x DDP's bytes with torch's defaults, 1x with the course's fp32 reduce, 1.5x in one dtype."""
+    eighth, n = P // 8, 8
+    by = {precision: {r["strategy"]: r for r in rows_for(P, n, 80.0, precision)} for precision in PRECISIONS}
+    for precision in ("torch", "course"):
+        rows = by[precision]
+        assert rows["DDP, torch's default buckets"]["total"] == 20 * P + 4
+        assert rows["ZeRO-1"]["total"] == 8 * P + 8 * eighth + 4
+        assert rows["ZeRO-2"]["total"] == 4 * P + 12 * eighth + 4 + 4 * ZERO_BUCKET
+        assert rows["FSDP FULL_SHARD (ZeRO-3)"]["total"] == 16 * eighth + 32 * 4 + 2 * UNIT
+        assert rows["FSDP SHARD_GRAD_OP"]["total"] == 16 * eighth + 32 * 4 + 2 * P
+        assert rows["DDP, torch's default buckets"]["sent"] == 2 * 7 * eighth * 4 == 7 * P
+    assert by["torch"]["FSDP FULL_SHARD (ZeRO-3)"]["sent"] == 7 * eighth * (2 + 2 * 2)
+    assert by["course"]["FSDP FULL_SHARD (ZeRO-3)"]["sent"] == 7 * eighth * (4 + 2 * 2)
+    assert by["fp32"]["FSDP FULL_SHARD (ZeRO-3)"]["sent"] == 7 * eighth * (4 + 2 * 4)
+    assert by["zero-paper"]["DDP, torch's default buckets"]["total"] == 18 * P + 4  # 2 + 2 + 12, and 2 B of buckets
+    assert by["zero-paper"]["DDP, torch's default buckets"]["sent"] == 2 * 7 * eighth * 2
+    ratios = {precision: rows["FSDP FULL_SHARD (ZeRO-3)"]["sent_vs_ddp"] for precision, rows in by.items()}
+    assert ratios == {"torch": 0.75, "course": 1.0, "fp32": 1.5, "zero-paper": 1.5}
+    for rows in by.values():
+        assert [label for label, row in rows.items() if not row["fits"]] == list(STRATEGIES)[:2]
+
+
+def test_the_precision_choices_say_whose_setup_they_are():
+    """Each option is one setup, named for whose it is, with the library's label. torch's default for FSDP2's
+    reduce_dtype is None, which reduces in the 16-bit param_dtype (tests/test_gpu_predictions.py runs it on gloo
+    ranks); fp32 is the course's policy. The ZeRO paper's 2 + 2 + 12 B is named as the paper's."""
+    select = re.search(r'<select name="precision">(.*?)</select>', FRAGMENT.read_text(), re.S).group(1)
+    found = re.findall(r'<option value="([\w-]+)"[^>]*>([^<]*)<', select)
+    options = [(key, html.unescape(text)) for key, text in found]
+    assert options == [(key, precision.label) for key, precision in PRECISIONS.items()]
+    labels = dict(options)
+    assert labels["torch"].startswith("torch's defaults") and "reduce_dtype=None" in labels["torch"]
+    assert "autocast" in labels["torch"] and "16-bit reduce" in labels["torch"]
+    assert "this course's policy" in labels["course"] and "reduce_dtype=torch.float32" in labels["course"]
+    assert "torch's default" not in labels["course"]
+    assert labels["fp32"].startswith("fp32 everywhere")
+    assert labels["zero-paper"].startswith("the ZeRO paper's") and "fp32 master weights" in labels["zero-paper"]
+    assert BYTES_PER_VALUE["adam", PRECISIONS["zero-paper"].state] == (2, 2, 12)
+    assert all(BYTES_PER_VALUE["adam", PRECISIONS[key].state] == (4, 4, 8) for key in ("torch", "course", "fp32"))
 
 
 def test_memory_per_gpu_decides_fits_at_the_byte():
@@ -235,26 +348,61 @@ def test_memory_per_gpu_decides_fits_at_the_byte():
     assert not rows_for(1_000_000, 1, exactly * (1 - 1e-9), "fp32", "sgd")[1]["fits"]
 
 
-def test_torch_ddp_under_autocast_holds_20_bytes_a_parameter_with_adam():
+@pytest.mark.parametrize("precision", ["torch", "course", "fp32"])
+def test_torch_ddp_under_autocast_holds_20_bytes_a_parameter_with_adam(precision):
     """fp32 parameters (autocast leaves them), gradients, buckets, two moments: 4 + 4 + 4 + 8."""
-    rows = {row["strategy"]: row for row in rows_for(10**9, 2, 80.0, "fp32", "adam")}
+    rows = {row["strategy"]: row for row in rows_for(10**9, 2, 80.0, precision, "adam")}
     assert rows["DDP, torch's default buckets"]["total"] == 20 * 10**9 + 4
     assert rows["DDP, gradient_as_bucket_view"]["total"] == 16 * 10**9 + 4
+    assert rows["DDP, torch's default buckets"]["buckets"] == 4 * 10**9
 
 
-def test_bytes_sent_are_the_rings():
+@pytest.mark.parametrize(
+    "precision, ddp, zero, full_shard, shard_grad_op",
+    [  # bytes per value of (DDP's all-reduce, ZeRO's reduce-scatter + gather, FULL_SHARD's, SHARD_GRAD_OP's)
+        ("torch", 4, 4 + 4, 2 + 2 * 2, 2 + 2),  # FSDP2 reduces in its 16-bit param_dtype: 0.75x DDP
+        ("course", 4, 4 + 4, 4 + 2 * 2, 4 + 2),  # reduce_dtype=fp32: DDP's bytes
+        ("fp32", 4, 4 + 4, 4 + 2 * 4, 4 + 4),  # one dtype: 1.5x
+        ("zero-paper", 2, 2 + 2, 2 + 2 * 2, 2 + 2),  # one dtype, 16 bits: 1.5x
+    ],
+)
+def test_bytes_sent_are_the_rings(precision, ddp, zero, full_shard, shard_grad_op):
     """DDP sends 2(N-1)/N of the gradients; ZeRO-1/2 as much, half of it the gathered parameters; FULL_SHARD
-    gathers twice, SHARD_GRAD_OP once. One GPU sends nothing."""
+    gathers twice, SHARD_GRAD_OP once, each collective in its own dtype. One GPU sends nothing."""
     p, n = 8_000_000, 4
-    sent = {row["strategy"]: row["sent"] for row in rows_for(p, n, 80.0, "mixed", "adam", shard_units=8)}
-    assert sent["DDP, torch's default buckets"] == sent["DDP, gradient_as_bucket_view"] == 2 * 3 * (p // 4) * 4
-    assert sent["ZeRO-1"] == sent["ZeRO-2"] == 3 * (p // 4) * (4 + 2)  # fp32 reduce-scatter, 16-bit gather
-    assert sent["FSDP FULL_SHARD (ZeRO-3)"] == 3 * (p // 4) * (4 + 2 * 2)  # as many bytes as DDP, not 1.5x
-    assert sent["FSDP SHARD_GRAD_OP"] == 3 * (p // 4) * (4 + 2)
-    halved = rows_for(p, n, 80.0, "mixed", "adam", shard_units=8, reduce_dtype="16-bit")
-    assert halved[0]["sent"] == sent["DDP, torch's default buckets"] // 2
-    assert halved[4]["sent"] == 3 * (p // 4) * 2 * 3  # in one dtype FULL_SHARD sends 1.5x DDP's bytes
-    assert all(row["sent"] == 0 for row in rows_for(p, 1, 80.0))
+    sent = {row["strategy"]: row["sent"] for row in rows_for(p, n, 80.0, precision, "adam", shard_units=8)}
+    assert sent["DDP, torch's default buckets"] == sent["DDP, gradient_as_bucket_view"] == 2 * 3 * (p // 4) * ddp
+    assert sent["ZeRO-1"] == sent["ZeRO-2"] == 3 * (p // 4) * zero
+    assert sent["FSDP FULL_SHARD (ZeRO-3)"] == 3 * (p // 4) * full_shard
+    assert sent["FSDP SHARD_GRAD_OP"] == 3 * (p // 4) * shard_grad_op
+    assert all(row["sent"] == 0 and row["sent_vs_ddp"] is None for row in rows_for(p, 1, 80.0, precision))
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_bytes_sent_are_the_traffic_models(precision):
+    """Every row's bytes sent is :func:`distlab.predict.traffic.expected_bytes_per_step` over the padded values, in
+    the row's dtypes (a FULL_SHARD whose reduce-scatter is wider than its gathers adds the difference on one
+    reduce-scatter), and torch's and the course's FSDP2 wires are :data:`distlab.predict.gpu_predictions.POLICIES`."""
+    setup = PRECISIONS[precision]
+    parameter_bytes, gradient_bytes, _ = BYTES_PER_VALUE["adam", setup.state]
+    if precision in POLICIES:
+        policy = POLICIES[precision]
+        assert policy["ddp"][0] == gradient_bytes
+        assert policy["fsdp"] == policy["fsdp-no-reshard"] == (setup.fsdp_reduce, setup.fsdp_gather)
+    for p, n, units in [(1_234_567, 3, 7), (124_439_808, 8, 12), (7_000_000_000, 2, 32), (13_000_000_007, 5, 40)]:
+        rows = rows_for(p, n, 80.0, precision, "adam", shard_units=units)
+        flat = -(-p // n) * n
+        size, larger = divmod(p, units)
+        sharded = (larger * -(-(size + 1) // n) + (units - larger) * -(-size // n)) * n
+        assert parameter_bytes == gradient_bytes  # DDP and ZeRO send in one dtype
+        for row in rows:
+            strategy = STRATEGIES[row["strategy"]]
+            if strategy in ("ddp", "zero1", "zero2"):
+                assert row["sent"] == expected_bytes_per_step(strategy, flat, n, gradient_bytes), row["strategy"]
+            else:
+                one_dtype = expected_bytes_per_step(strategy, sharded, n, setup.fsdp_gather)
+                wider = (setup.fsdp_reduce - setup.fsdp_gather) * sharded * (n - 1) / n
+                assert row["sent"] == one_dtype + wider, row["strategy"]
 
 
 def test_activations_by_korthikanti_et_al():
@@ -263,8 +411,9 @@ def test_activations_by_korthikanti_et_al():
     assert layer_activation_bytes(gpt3_layer) == 2048 * 12288 * (34 + 5 * 96 * 2048 / 12288)
     recomputed = Transformer(hidden=12288, heads=96, seq_len=2048, micro_batch=1, recompute=True)
     assert layer_activation_bytes(recomputed) == 2 * 2048 * 12288
-    rows = rows_for(10**9, 2, 80.0, "mixed", shard_units=96, transformer=gpt3_layer)
-    assert {row["activations"] for row in rows} == {96 * layer_activation_bytes(gpt3_layer)}
+    for precision in ("torch", "course", "zero-paper"):  # autocast's activations are 16-bit
+        rows = rows_for(10**9, 2, 80.0, precision, shard_units=96, transformer=gpt3_layer)
+        assert {row["activations"] for row in rows} == {96 * layer_activation_bytes(gpt3_layer)}
     fp32 = rows_for(10**9, 2, 80.0, "fp32", shard_units=96, transformer=gpt3_layer)
     assert fp32[0]["activations"] == 2 * rows[0]["activations"]
     assert transformer_from(transformer_inputs(gpt3_layer)) == gpt3_layer
@@ -279,7 +428,7 @@ def test_activations_by_korthikanti_et_al():
         ({"precision": "bf16"}, "precision"),
         ({"optimizer": "lion"}, "optimizer"),
         ({"shard_units": 2_000_000}, "shard_units"),
-        ({"reduce_dtype": "fp8"}, "reduce"),
+        ({"precision": "mixed"}, "precision"),
         ({"transformer": {"hidden": 0, "heads": 1, "seq_len": 1, "micro_batch": 1}}, "hidden"),
     ],
 )

@@ -22,11 +22,18 @@
   };
   // distlab.memory.STEP_COUNTER_BYTES: Adam's float32 `step` per tensor it steps.
   const STEP_COUNTER_BYTES = { adam: 4, adamw: 4, sgd: 0 };
-  const PRECISIONS = ["fp32", "mixed"];
+  /* distlab.predict.calculator.PRECISIONS, each one setup whole: `state`, the precision of BYTES_PER_VALUE the
+   * state at rest is held in (DDP and ZeRO-1/2 also send it in those dtypes); FSDP2's `fsdp_gather` (param_dtype,
+   * on its all-gathers and in its gathered units) and `fsdp_reduce` (reduce_dtype, on its reduce-scatters), bytes
+   * per value; `activations`, "fp32" where they are doubled. The labels are the page's <option>s. */
+  const PRECISIONS = {
+    torch: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit" },
+    course: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 4, activations: "16-bit" },
+    fp32: { state: "fp32", fsdp_gather: 4, fsdp_reduce: 4, activations: "fp32" },
+    "zero-paper": { state: "mixed", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit" },
+  };
+  const DEFAULT_PRECISION = "torch";
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
-  // distlab.predict.calculator.REDUCE_DTYPES: bytes per value of the gradient reductions on the wire (fp32: DDP
-  // under autocast, FSDP2 with the course's reduce_dtype=fp32; 16-bit: FSDP2's default with a 16-bit param_dtype).
-  const REDUCE_DTYPES = { fp32: 4, "16-bit": 2 };
   // distlab.predict.calculator.ZERO_BUCKET_VALUES: ZeRO-2's one bucket of whole gradients (5 MB of fp32 values).
   const ZERO_BUCKET_VALUES = Math.floor((5 * 2 ** 20) / 4);
   // Row label -> ZeRO stage of distlab.predict.memory.STAGE, torch DDP's second copy of the gradients,
@@ -55,18 +62,17 @@
 
   function check(inputs) {
     const { parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units } = inputs;
-    const { reduce_dtype, transformer } = inputs;
+    const { transformer } = inputs;
     if (!isWhole(parameters) || parameters < 1) throw new Error("the model needs at least 1 parameter, a whole number");
     if (!isWhole(gpus) || gpus < 1) throw new Error("GPUs must be a whole number of at least 1");
     if (!(memory_gib > 0)) throw new Error("memory per GPU must be positive");
-    if (!PRECISIONS.includes(precision)) throw new Error(`precision must be one of ${PRECISIONS.join(", ")}`);
+    if (!Object.hasOwn(PRECISIONS, precision)) {
+      throw new Error(`precision must be one of ${Object.keys(PRECISIONS).join(", ")}`);
+    }
     if (!OPTIMIZERS.includes(optimizer)) throw new Error(`optimizer must be one of ${OPTIMIZERS.join(", ")}`);
     if (!(activations_gib >= 0)) throw new Error("activations must be 0 GiB or more");
     if (!isWhole(shard_units) || shard_units < 1 || shard_units > parameters) {
       throw new Error("shard units must be a whole number from 1 to the number of parameters");
-    }
-    if (!(reduce_dtype in REDUCE_DTYPES)) {
-      throw new Error(`reduce dtype must be one of ${Object.keys(REDUCE_DTYPES).join(", ")}`);
     }
     if (transformer != null) {
       for (const name of TRANSFORMER_FIELDS) {
@@ -83,18 +89,18 @@
     return recompute ? 2 * s * b * h : 34 * s * b * h + 5 * a * s * s * b;
   }
 
-  // distlab.predict.calculator._activations: typed GiB, or the formula for shard_units layers (doubled in fp32).
+  // distlab.predict.calculator.Inputs.activations: typed GiB, or the formula for shard_units layers (doubled in fp32).
   function activationBytes({ activations_gib, shard_units, transformer, precision }) {
     if (transformer == null) return Math.trunc(activations_gib * GIB);
-    return shard_units * layerActivationBytes(transformer) * (precision === "fp32" ? 2 : 1);
+    return shard_units * layerActivationBytes(transformer) * (PRECISIONS[precision].activations === "fp32" ? 2 : 1);
   }
 
   /* Rows as distlab.predict.calculator.memory_per_rank returns them: {strategy, parameters, gradients,
-   * optimizer_state, buckets, gathered, activations, total, fits, sent}, bytes on rank 0 at its peak, and
-   * the bytes it sends in one step. */
+   * optimizer_state, buckets, gathered, activations, total, fits, sent, sent_vs_ddp}, bytes on rank 0 at its
+   * peak, the bytes it sends in one step, and those over DDP's. */
   function withDefaults(inputs) {
-    const defaults = { precision: "mixed", optimizer: "adam", activations_gib: 0, shard_units: 32 };
-    return { ...defaults, reduce_dtype: "fp32", transformer: null, ...inputs };
+    const defaults = { precision: DEFAULT_PRECISION, optimizer: "adam", activations_gib: 0, shard_units: 32 };
+    return { ...defaults, transformer: null, ...inputs };
   }
 
   function distlabMemoryPerRank(inputs) {
@@ -104,10 +110,10 @@
   }
 
   function rowsFor(full) {
-    const { parameters, gpus: n, memory_gib, precision, optimizer, shard_units, reduce_dtype } = full;
-    const perValue = BYTES_PER_VALUE[`${optimizer},${precision}`];
+    const { parameters, gpus: n, memory_gib, optimizer, shard_units } = full;
+    const precision = PRECISIONS[full.precision];
+    const perValue = BYTES_PER_VALUE[`${optimizer},${precision.state}`];
     const stepBytes = STEP_COUNTER_BYTES[optimizer];
-    const reduceBytes = REDUCE_DTYPES[reduce_dtype];
     // distlab.predict.calculator.equal_units: `larger` units of size+1 values, the rest of `size`, an empty root.
     const size = Math.floor(parameters / shard_units);
     const larger = parameters - size * shard_units;
@@ -117,24 +123,27 @@
     const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer (one bucket) padded to a multiple of n
     const activations = activationBytes(full);
 
-    return STRATEGIES.map(({ label, stage, keepsGathered, bucketCopy }) => {
+    const rows = STRATEGIES.map(({ label, stage, keepsGathered, bucketCopy }) => {
       let values; // [parameters, gradients, optimizer state, step counters], values held by rank 0
       let gathered = 0;
       let buckets = 0;
-      let sent; // distlab.predict.calculator.bytes_sent: a ring's 2(N-1) or N-1 shards per collective
+      // distlab.predict.calculator.bytes_sent: a ring's 2(N-1) or N-1 shards per collective. DDP and ZeRO-1/2
+      // send what they hold (gradients; ZeRO also its parameters), FSDP2 in its param_dtype and reduce_dtype.
+      let sent;
       if (stage === 0) {
         values = [parameters, parameters, parameters, 1];
         if (bucketCopy) buckets = parameters * perValue[1];
-        sent = 2 * (n - 1) * flatShard * reduceBytes;
+        sent = 2 * (n - 1) * flatShard * perValue[1];
       } else if (stage < 3) {
         // zero1 keeps its whole flat gradient, padding included; zero2 only its slice, and one bucket whole
         values = [flatShard * n, stage === 2 ? flatShard : flatShard * n, flatShard, 1];
         if (stage === 2) buckets = ceilDiv(Math.min(parameters, ZERO_BUCKET_VALUES), n) * n * perValue[1];
-        sent = (n - 1) * flatShard * (reduceBytes + perValue[0]);
+        sent = (n - 1) * flatShard * (perValue[1] + perValue[0]);
       } else {
         values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
-        gathered = keepsGathered ? fsdpShard * n * perValue[0] : largestGathered * perValue[0];
-        sent = (n - 1) * fsdpShard * (reduceBytes + (keepsGathered ? 1 : 2) * perValue[0]);
+        const gatherBytes = precision.fsdp_gather;
+        gathered = (keepsGathered ? fsdpShard * n : largestGathered) * gatherBytes;
+        sent = (n - 1) * fsdpShard * (precision.fsdp_reduce + (keepsGathered ? 1 : 2) * gatherBytes);
       }
       const row = {
         strategy: label,
@@ -150,6 +159,10 @@
       row.sent = sent;
       return row;
     });
+    // distlab.predict.calculator.memory_per_rank: each row's bytes sent over DDP's (null where DDP sends none)
+    const ddpSent = rows[0].sent;
+    for (const row of rows) row.sent_vs_ddp = ddpSent > 0 ? row.sent / ddpSent : null;
+    return rows;
   }
 
   // distlab.calculator.LARGEST_SEARCHED: every byte count below it stays an exact integer here.
@@ -202,7 +215,6 @@
       optimizer: form.elements.optimizer.value,
       activations_gib: number("activations_gib"),
       shard_units: number("shard_units"),
-      reduce_dtype: form.elements.reduce_dtype.value,
       transformer: form.elements.activations_from.value === "formula" ? readTransformer(form, number) : null,
     };
   }
@@ -253,7 +265,8 @@
         const tr = document.createElement("tr");
         const sizes = ["parameters", "gradients", "optimizer_state", "buckets", "gathered", "activations", "total"];
         const fitText = row.fits ? "yes" : "no";
-        const cells = [row.strategy, ...sizes.map((key) => gib(row[key])), fitText, gib(row.sent)];
+        const ratio = row.sent_vs_ddp === null ? "" : ` (${row.sent_vs_ddp.toFixed(2)}x DDP)`;
+        const cells = [row.strategy, ...sizes.map((key) => gib(row[key])), fitText, gib(row.sent) + ratio];
         cells.push(modelSize(largest[row.strategy]));
         for (const text of cells) {
           const td = document.createElement("td");
@@ -277,7 +290,7 @@
     }
   }
 
-  const api = { distlabMemoryPerRank, distlabLargestFitting, BYTES_PER_VALUE, STEP_COUNTER_BYTES, REDUCE_DTYPES, GIB };
+  const api = { distlabMemoryPerRank, distlabLargestFitting, BYTES_PER_VALUE, STEP_COUNTER_BYTES, PRECISIONS, GIB };
   if (typeof module === "object" && module.exports) {
     module.exports = api;
   } else {

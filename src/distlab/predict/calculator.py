@@ -14,6 +14,12 @@ the units are flat, so every count is exact for the padding each unit's flat sha
 per-parameter padding of a real model's shapes (:func:`distlab.predict.memory.shard_unit_shapes` gives those).
 Activations are either typed in GiB or counted by Korthikanti et al.'s formula for a transformer layer
 (:func:`layer_activation_bytes`), one layer per shard unit.
+
+The precision is one setup, whole (:data:`PRECISIONS`), as torch has them: under torch's mixed precision DDP and
+the course's ZeRO hold fp32 state and reduce in fp32, while FSDP2 gathers in its 16-bit ``param_dtype`` and
+reduce-scatters in 16 bits (torch's default, where the page opens) or in fp32 (the course's policy). So each row
+sends in its own dtypes, and the page can show torch's own pairing: FULL_SHARD sending three quarters of DDP's
+bytes.
 """
 
 from __future__ import annotations
@@ -23,17 +29,73 @@ from dataclasses import asdict, dataclass
 from distlab.predict.memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes
 
 GIB = 2**30
-PRECISIONS = {"fp32": "fp32", "mixed": "mixed bf16/fp16"}
-"""The precisions of :data:`distlab.predict.memory.BYTES_PER_VALUE`: fp32 everywhere, or the ZeRO paper's mixed
-precision (16-bit parameters and gradients, fp32 master weights in the optimizer state). torch's autocast keeps
-fp32 parameters: its state is "fp32"."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision setup, whole: what every row holds and what every collective sends, in bytes per value.
+
+    ``state`` is the precision of :data:`distlab.predict.memory.BYTES_PER_VALUE` the state at rest is counted in
+    (parameters, gradients, optimizer state). DDP and the course's ZeRO-1/2 send that state as it is: they
+    reduce their gradients and ZeRO gathers its parameters in the dtypes they are held in. FSDP2 gathers its
+    parameters in ``param_dtype`` (``fsdp_gather`` bytes, also what its gathered units hold) and reduce-scatters
+    its gradients in ``reduce_dtype`` (``fsdp_reduce`` bytes). Activations are 16-bit unless ``state`` is fp32
+    without autocast (:func:`activation_bytes`: ``activations`` names the precision it takes)."""
+
+    label: str
+    state: str
+    fsdp_gather: int
+    fsdp_reduce: int
+    activations: str
+
+
+PRECISIONS = {
+    "torch": Precision(
+        "torch's defaults: DDP and ZeRO under autocast (fp32 state and reduce); FSDP2 with a 16-bit param_dtype and "
+        "reduce_dtype=None (16-bit reduce)",
+        state="fp32",
+        fsdp_gather=2,
+        fsdp_reduce=2,
+        activations="16-bit",
+    ),
+    "course": Precision(
+        "torch's mixed precision with FSDP2's reduce_dtype=torch.float32 (this course's policy); DDP and ZeRO under "
+        "autocast as above",
+        state="fp32",
+        fsdp_gather=2,
+        fsdp_reduce=4,
+        activations="16-bit",
+    ),
+    "fp32": Precision(
+        "fp32 everywhere (no autocast, no MixedPrecisionPolicy)",
+        state="fp32",
+        fsdp_gather=4,
+        fsdp_reduce=4,
+        activations="fp32",
+    ),
+    "zero-paper": Precision(
+        "the ZeRO paper's mixed precision (DeepSpeed's): 16-bit parameters, gradients and collectives, fp32 master "
+        "weights",
+        state="mixed",
+        fsdp_gather=2,
+        fsdp_reduce=2,
+        activations="16-bit",
+    ),
+}
+"""The calculator's precision choices, each labelled with whose setup it is (the page opens on ``"torch"``).
+
+torch's mixed precision is autocast over fp32 parameters for DDP and the course's ZeRO-1/2: they hold fp32
+parameters, gradients (and DDP's bucket copy of them) and Adam's fp32 moments, 4 + 4 + 8 B, and reduce fp32
+gradients. FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (or fp16) keeps fp32 shards at rest,
+the same 4 + 4 + 8 B over N, gathers 16-bit parameters, and reduce-scatters in ``reduce_dtype``: torch's default
+None reduces in ``param_dtype`` (``"torch"``: FULL_SHARD sends 2 + 2 x 2 = 6 B a value where DDP sends 2 x 4 = 8,
+three quarters), the course's ``reduce_dtype=torch.float32`` in fp32 (``"course"``: 4 + 2 x 2 = 8, DDP's bytes);
+the same pairs as :data:`distlab.predict.gpu_predictions.POLICIES`. ``"zero-paper"`` is the ZeRO paper's
+accounting (Rajbhandari et al., 2020), which the chapters cite: 16-bit parameters and gradients, fp32
+master weights and moments in the optimizer state (2 + 2 + 12 B), every collective in 16 bits, as DeepSpeed's ZeRO
+keeps it; torch's DDP and FSDP2 do not. A DDP row under it is that accounting applied to DDP's buckets."""
+DEFAULT_PRECISION = "torch"
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD with momentum"}
-REDUCE_DTYPES = {"fp32": 4, "16-bit": 2}
-"""Bytes per value of the gradient reductions on the wire, one choice for every row. fp32: torch DDP under autocast
-(its gradients are fp32, as its parameters) and FSDP2 with ``reduce_dtype=torch.float32``, the course's policy (the
-page's default). 16-bit: FSDP2's own default once ``param_dtype`` is 16-bit (``MixedPrecisionPolicy.reduce_dtype``
-is None, and FSDP2 then reduces in the compute dtype), and DDP with ``fp16_compress_hook``. Parameters are gathered
-in the precision's parameter dtype."""
 STRATEGIES = {
     "DDP, torch's default buckets": "ddp",
     "DDP, gradient_as_bucket_view": "ddp",
@@ -48,7 +110,7 @@ gradients are views of the buckets. Both FSDP rows hold ZeRO-3's state at rest; 
 parameters at the peak."""
 ROW_FIELDS = (
     "strategy", "parameters", "gradients", "optimizer_state", "buckets", "gathered", "activations", "total",
-    "fits", "sent",
+    "fits", "sent", "sent_vs_ddp",
 )  # fmt: skip
 DEFAULT_SHARD_UNITS = 32
 """gpt-6.7b's (and a 7B Llama's) 32 transformer blocks."""
@@ -84,8 +146,8 @@ def layer_activation_bytes(layer: Transformer) -> int:
 
 
 def activation_bytes(layers: int, layer: Transformer, precision: str) -> int:
-    """``layers`` layers' activations; doubled in fp32, where what the formula counts in 16 bits is 32 (the
-    1-byte dropout masks doubled too: an upper bound)."""
+    """``layers`` layers' activations; doubled when ``precision`` is ``"fp32"`` (no autocast), where what the
+    formula counts in 16 bits is 32 (the 1-byte dropout masks doubled too: an upper bound)."""
     return layers * layer_activation_bytes(layer) * (2 if precision == "fp32" else 1)
 
 
@@ -104,17 +166,17 @@ def _whole(value) -> bool:
 class Inputs:
     """What the calculator is asked about a machine and a run, whatever the model's size: ``gpus`` of
     ``memory_gib`` GiB each, the ``precision`` and ``optimizer``, the activations (``activations_gib``, or with
-    ``transformer`` Korthikanti et al.'s count for ``shard_units`` layers), the model cut into ``shard_units``
-    equal units, and the dtype gradients are reduced in (``REDUCE_DTYPES``). Refused in one line if any is
-    wrong (``shard_units`` against a model's size: :meth:`check`)."""
+    ``transformer`` Korthikanti et al.'s count for ``shard_units`` layers) and the model cut into ``shard_units``
+    equal units. ``precision`` is a key of :data:`PRECISIONS`: it sets what is held and in which dtypes each
+    collective sends. Refused in one line if any is wrong (``shard_units`` against a model's size:
+    :meth:`check`)."""
 
     gpus: int
     memory_gib: float
-    precision: str = "mixed"
+    precision: str = DEFAULT_PRECISION
     optimizer: str = "adam"
     activations_gib: float = 0.0
     shard_units: int = DEFAULT_SHARD_UNITS
-    reduce_dtype: str = "fp32"
     transformer: Transformer | None = None
 
     def __post_init__(self):
@@ -130,8 +192,6 @@ class Inputs:
             raise ValueError(f"activations_gib must be 0 or more, not {self.activations_gib!r}")
         if not _whole(self.shard_units) or self.shard_units < 1:
             raise ValueError(f"shard_units must be a whole number of at least 1, not {self.shard_units!r}")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, not {self.reduce_dtype!r}")
         if self.transformer is not None:
             for name in ("hidden", "heads", "seq_len", "micro_batch"):
                 value = getattr(self.transformer, name)
@@ -152,7 +212,7 @@ class Inputs:
         """Bytes of activations a rank holds at its peak, the same for every strategy."""
         if self.transformer is None:
             return int(self.activations_gib * GIB)
-        return activation_bytes(self.shard_units, self.transformer, self.precision)
+        return activation_bytes(self.shard_units, self.transformer, PRECISIONS[self.precision].activations)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -162,8 +222,11 @@ def _ceil(a: int, b: int) -> int:
 def bytes_sent(label: str, parameters: int, gpus: int, shard_units: int, gather_bytes: int, reduce_bytes: int) -> int:
     """Bytes one rank sends in one step under ``label`` in NCCL's ring, the model one flat buffer (DDP, ZeRO-1/2,
     padded to a multiple of N) or ``shard_units`` flat units (FSDP, each padded): an all-reduce sends 2(N-1)
-    shards, a reduce-scatter or an all-gather N-1. ZeRO-1/2 reduce-scatter the gradients and all-gather the
-    updated parameters; FULL_SHARD gathers every unit twice (forward, backward), SHARD_GRAD_OP once."""
+    shards, a reduce-scatter or an all-gather N-1, each of ``reduce_bytes`` (gradients) or ``gather_bytes``
+    (parameters) a value. ZeRO-1/2 reduce-scatter the gradients and all-gather the updated parameters;
+    FULL_SHARD gathers every unit twice (forward, backward), SHARD_GRAD_OP once. In one dtype these are
+    :func:`distlab.predict.traffic.expected_bytes_per_step`'s 2Ψ(N-1)/N and 3Ψ(N-1)/N (tests/test_calculator.py
+    checks both)."""
     n, strategy = gpus, STRATEGIES[label]
     if strategy == "ddp":
         return 2 * (n - 1) * _ceil(parameters, n) * reduce_bytes
@@ -178,11 +241,12 @@ def bytes_sent(label: str, parameters: int, gpus: int, shard_units: int, gather_
 def _row(label: str, parameters: int, inputs: Inputs) -> dict:
     """One strategy's row of :func:`memory_per_rank` (inputs already checked)."""
     strategy, gpus, shard_units = STRATEGIES[label], inputs.gpus, inputs.shard_units
+    precision = PRECISIONS[inputs.precision]
     units = equal_units(parameters, shard_units)
-    parameter_bytes, gradient_bytes = BYTES_PER_VALUE[inputs.optimizer, inputs.precision][:2]
+    parameter_bytes, gradient_bytes = BYTES_PER_VALUE[inputs.optimizer, precision.state][:2]
     sharded_units = units if strategy.startswith("fsdp") else None  # zero1/zero2: one flat buffer per 5 MB bucket
-    state = expected_state_bytes(parameters, strategy, gpus, inputs.optimizer, inputs.precision, units=sharded_units)
-    gathered = expected_gathered_bytes(strategy, gpus, units, parameter_bytes)
+    state = expected_state_bytes(parameters, strategy, gpus, inputs.optimizer, precision.state, units=sharded_units)
+    gathered = expected_gathered_bytes(strategy, gpus, units, precision.fsdp_gather)
     if label == "DDP, torch's default buckets":
         buckets = parameters * gradient_bytes
     elif strategy == "zero2":
@@ -191,7 +255,11 @@ def _row(label: str, parameters: int, inputs: Inputs) -> dict:
         buckets = 0
     activations = inputs.activations
     total = state["parameters"] + state["gradients"] + state["optimizer_state"] + buckets + gathered + activations
-    sent = bytes_sent(label, parameters, gpus, shard_units, parameter_bytes, REDUCE_DTYPES[inputs.reduce_dtype])
+    if strategy.startswith("fsdp"):  # FSDP2: param_dtype on the gathers, reduce_dtype on the reduce-scatters
+        gather_bytes, reduce_bytes = precision.fsdp_gather, precision.fsdp_reduce
+    else:  # DDP and ZeRO-1/2 send what they hold: its gradients, and ZeRO its updated parameters
+        gather_bytes, reduce_bytes = parameter_bytes, gradient_bytes
+    sent = bytes_sent(label, parameters, gpus, shard_units, gather_bytes, reduce_bytes)
     return {"strategy": label, **state, "buckets": buckets, "gathered": gathered, "activations": activations} | {
         "total": total,
         "fits": total <= inputs.memory_gib * GIB,
@@ -207,11 +275,14 @@ def memory_per_rank(parameters: int, inputs: Inputs) -> list[dict]:
     :func:`distlab.predict.memory.expected_state_bytes`; ``buckets``, torch DDP's second copy of the gradients
     (its default) or the one bucket of whole gradients the course's ZeRO-2 reduces at a time; the whole
     parameters FSDP gathers (one unit at a time with FULL_SHARD, all of them with SHARD_GRAD_OP:
-    :func:`distlab.predict.memory.expected_gathered_bytes`) in the parameters' dtype; the activations, the same
+    :func:`distlab.predict.memory.expected_gathered_bytes`) in FSDP2's ``param_dtype``; the activations, the same
     for every strategy (:attr:`Inputs.activations`); their ``total``; ``fits = total <= memory_gib`` GiB; and
-    ``sent``, the bytes of :func:`bytes_sent` with gradients reduced in ``inputs.reduce_dtype``."""
+    ``sent``, the bytes of :func:`bytes_sent` in the dtypes of the :data:`PRECISIONS` chosen, and ``sent_vs_ddp``,
+    those over DDP's (None on one GPU, where nothing is sent)."""
     inputs.check(parameters)
-    return [_row(label, parameters, inputs) for label in STRATEGIES]
+    rows = [_row(label, parameters, inputs) for label in STRATEGIES]
+    ddp_sent = rows[0]["sent"]
+    return [row | {"sent_vs_ddp": row["sent"] / ddp_sent if ddp_sent else None} for row in rows]
 
 
 LARGEST_SEARCHED = 10**14
