@@ -160,7 +160,7 @@ def plot_bytes_per_rank(records: dict[int, dict], size: int | None = None, ax=No
         bars = ax.bar(xs, heights, width * 0.92, color=color, label=label)
         ax.bar_label(bars, [f"{h:.2f} S" for h in heights], fontsize=7)
     ax.axhline(2, color="black", lw=0.7, ls=":")
-    ax.text(len(sent) - 0.55, 2.04, "2 S", fontsize=7)
+    ax.text(-0.45, 2.04, "2 S: the ring never reaches it", fontsize=7)
     ax.set_xticks(range(len(sent)), [f"{n} ranks" for n in sent])
     sizes = sorted({counts["size"] for counts in sent.values()})
     ax.set(ylabel="bytes rank 0 sent, in units of S")
