@@ -8,12 +8,21 @@ one lives in :mod:`distlab.predict`).
 May import: config, results, comm, predict.
 """
 
-from .collectives import LINE_STYLES, plot_busbw, plot_shard_collectives, plot_time_model
+from .collectives import (
+    LINE_STYLES,
+    plot_busbw,
+    plot_bytes_per_rank,
+    plot_shard_collectives,
+    plot_shard_steps,
+    plot_step_collectives,
+    plot_time_model,
+    step_call_order,
+)
 from .common import jshtml, run_label
 from .ddp import plot_step_times, plot_timeline
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
-from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
-from .ring_animation import plot_holdings
+from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_bars, plot_state_per_rank
+from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
 from .streams import (
     STREAM_COLORS,
     animate_copy_compute_ratio,
@@ -37,6 +46,10 @@ __all__ = [
     "plot_busbw",
     "plot_time_model",
     "plot_shard_collectives",
+    "plot_bytes_per_rank",
+    "plot_shard_steps",
+    "plot_step_collectives",
+    "step_call_order",
     "run_label",
     "jshtml",
     "plot_step_times",
@@ -46,8 +59,11 @@ __all__ = [
     "MEMORY_COLORS",
     "plot_memory_timeline",
     "plot_state_per_rank",
+    "plot_state_bars",
     "plot_fsdp_options",
     "plot_holdings",
+    "plot_ring_steps",
+    "plot_sharding_bridge",
     "STREAM_COLORS",
     "plot_host_costs",
     "plot_stream_timeline",

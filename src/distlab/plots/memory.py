@@ -1,5 +1,5 @@
-"""Memory: a rank's bytes along a step by category, state per rank against the model, FSDP2's options
-(the FSDP chapters).
+"""Memory: a rank's bytes along a step by category, the ZeRO stages' state per rank as the model predicts it and
+as measured, FSDP2's options (the FSDP chapters).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 
+from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from ..results import hardware_label
 
 MEMORY_COLORS = {
@@ -106,3 +107,56 @@ def plot_fsdp_options(records: Sequence[dict], baseline: str = "fsdp"):
     fig.suptitle(f"measured on {hardware_label(records[0]['environment'])}", fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
+
+
+STATE = ("parameters", "gradients", "optimizer_state")
+STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP2"}
+
+
+def state_bars(parameters: int, strategies, world_sizes, precision: str, units=None, optimizer: str = "adam"):
+    """``[(strategy, N, {parameters, gradients, optimizer_state: bytes on rank 0})]``, the bars of
+    :func:`plot_state_bars`, from :func:`distlab.predict.memory.expected_state_bytes`."""
+    return [
+        (strategy, n, expected_state_bytes(parameters, strategy, n, optimizer, precision, units))
+        for n in world_sizes
+        for strategy in strategies
+    ]
+
+
+def plot_state_bars(
+    parameters: int,
+    strategies=("ddp", "zero1", "zero2", "zero3"),
+    world_sizes=(4, 8),
+    precisions=("fp32", "mixed"),
+    units=None,
+    optimizer: str = "adam",
+    axes=None,
+):
+    """PREDICTED: what one rank holds for training, before any activation, stacked by parameters, gradients and
+    optimizer state, for each strategy at each world size, one panel per precision (the ZeRO paper's figure;
+    :func:`~distlab.predict.memory.expected_state_bytes`, which the course checks against measured bytes).
+    Each bar is labelled with its bytes per parameter."""
+    if axes is None:
+        _, axes = plt.subplots(1, len(precisions), figsize=(6.2 * len(precisions), 3.9), sharey=True, squeeze=False)
+        axes = axes[0]
+    for ax, precision in zip(axes, precisions):
+        bars = state_bars(parameters, strategies, world_sizes, precision, units, optimizer)
+        xs = [i + i // len(strategies) * 0.6 for i in range(len(bars))]
+        bottom = [0.0] * len(bars)
+        for category in STATE:
+            heights = [held[category] / 1e9 for _, _, held in bars]
+            ax.bar(xs, heights, 0.8, bottom=bottom, color=MEMORY_COLORS[category], label=category.replace("_", " "))
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, top, (_, _, held) in zip(xs, bottom, bars):
+            ax.text(x, top, f"{sum(held.values()) / parameters:.1f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(xs, [f"{STAGE_NAMES[s]}\nN={n}" for s, n, _ in bars], fontsize=7)
+        per_value = "+".join(map(str, BYTES_PER_VALUE[optimizer, precision]))
+        ax.set_title(f"{precision}, {per_value} bytes a value; on each bar, bytes per parameter", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("GB one rank holds (before activations)")
+    axes[0].legend(fontsize=7)
+    axes[0].figure.suptitle(
+        f"predicted by expected_state_bytes: {parameters:,} parameters, {optimizer}, per rank", fontsize=9
+    )
+    axes[0].figure.tight_layout()
+    return axes

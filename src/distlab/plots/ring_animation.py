@@ -1,4 +1,5 @@
-"""A picture of the ring all-reduce, hop by hop, that plays without a kernel.
+"""The ring all-reduce, hop by hop: a static strip (``plot_ring_steps``), the bridge to sharding
+(``plot_sharding_bridge``), and an animation that plays without a kernel.
 
 The state is which ranks' contributions each rank holds for each segment;
 the frames follow exactly the schedule :mod:`distlab.comm.collectives` runs
@@ -10,6 +11,7 @@ the static site.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -108,6 +110,64 @@ def plot_holdings(
     for side in ax.spines.values():
         side.set_visible(False)
     ax.set_title(title, fontsize=9)
+
+
+def ring_steps(n: int) -> list[Frame]:
+    """The strip's frames: the start, each hop of reduce-scatter and of all-gather as it sends, and the end."""
+    frames = ring_schedule(n)
+    return [frames[0], *[frame for frame in frames if frame.sends], frames[-1]]
+
+
+def after_reduce_scatter(n: int) -> Frame:
+    """What every rank holds once reduce-scatter is over: rank r the whole sum of segment r+1, and partial sums."""
+    return [frame for frame in ring_schedule(n) if frame.phase is Phase.REDUCE_SCATTER][-1]
+
+
+def _strip(frames: list[Frame], titles: list[str], columns: int, suptitle: str, axes=None):
+    rows = -(-len(frames) // columns)
+    if axes is None:
+        n = len(frames[0].held)
+        _, axes = plt.subplots(rows, columns, figsize=(3.3 * columns, (0.55 * n + 1.3) * rows), squeeze=False)
+    flat = list(getattr(axes, "flat", axes))
+    for ax, frame, title in zip(flat, frames, titles):
+        plot_holdings(ax, frame.held, frame.sends, title="\n".join(textwrap.wrap(title, 44)))
+    for ax in flat[len(frames) :]:
+        ax.set_visible(False)
+    flat[0].figure.suptitle(suptitle, fontsize=9)
+    flat[0].figure.tight_layout()
+    return flat[: len(frames)]
+
+
+def plot_ring_steps(n: int = 3, axes=None, columns: int = 3):
+    """A SCHEDULE, drawn as a strip: the ring all-reduce on ``n`` ranks, from each rank's own gradient through
+    every hop of reduce-scatter and of all-gather to the full sum everywhere. Red: the cells each rank sends to
+    the next in that hop. The segments are :func:`~distlab.comm.collectives.ring_send_segment`'s, what the
+    library's ring sends (a test compares them with a trace of the ring on real gloo ranks)."""
+    frames = ring_steps(n)
+    titles = [
+        f"start: each rank holds its own gradient, cut into {n} segments",
+        *[frame.title for frame in frames[1:-1]],
+        f"done: every rank holds the sum, and each sent 2({n}-1)/{n} of the gradient's bytes",
+    ]
+    suptitle = (
+        f"schedule of the ring all-reduce on {n} ranks: ring_schedule({n}), the segments the library's ring sends"
+    )
+    return _strip(frames, titles, columns, suptitle, axes)
+
+
+def plot_sharding_bridge(n: int = 3, axes=None):
+    """A SCHEDULE: the ring's state after reduce-scatter, where rank r holds the whole sum of segment r+1
+    (stop there and each rank has the gradient shard ZeRO steps), beside the all-gather's hops that bring
+    every segment to every rank (what ZeRO-3 runs before a unit computes)."""
+    gathers = [frame for frame in ring_steps(n) if frame.phase is Phase.ALL_GATHER]
+    frames = [after_reduce_scatter(n), *gathers, ring_schedule(n)[-1]]
+    titles = [
+        "stop here: ZeRO's gradient shard (after reduce-scatter, rank r holds the sum of segment r+1)",
+        *[f"ZeRO-3's gather: all-gather hop {hop + 1}/{n - 1}" for hop in range(len(gathers))],
+        "gathered: every rank holds every segment",
+    ]
+    suptitle = f"schedule: the ring's two halves on {n} ranks, and the sharded strategies built from them"
+    return _strip(frames, titles, len(frames), suptitle, axes)
 
 
 def _draw(ax, frame: Frame, n: int) -> None:
