@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
+from ..plots.gpu_report import regime
 from ..plots.gpu_report import report_label as label
-from ..predict.gpu_predictions import system_for
+from ..predict.gpu_predictions import COMPUTE_DOMINATED, system_for
 from ..results import SCHEMA as RESULT_SCHEMA
 
 REPORT_SCHEMA = "distlab.gpu_report/1"
@@ -24,9 +26,10 @@ HOSTNAME_KEY = re.compile(r'"hostname"\s*:')
 """A machine's name as a result file once recorded it: a report is shared, and names no machine."""
 CITED_PREDICTIONS = "predictions from cited GPU specifications"
 """What a report's ``not_run`` calls the predictions, where the course cites nothing for its GPU."""
-"""Beside a report measured with code other than a commit of the course as it is (an earlier commit with local
-changes, say): what ran, in words the page shows. Such a report is shown with its failed parts, each labelled."""
 PROVENANCE_KEYS = ("code", "changes", "says")
+"""What :data:`PROVENANCE_FILE` must say, beside a report measured with code other than a commit of the course as it
+is (an earlier commit with local changes, say), or one whose method predates a fix: what ran, in words the page
+shows. Such a report is shown with its failed parts, each labelled."""
 STATUSES = ("ran", "skipped", "failed")
 REPORT_STATUSES = ("complete", "failed")
 """A report's own status: ``failed`` when any of its parts failed. It is written all the same, so whoever ran it
@@ -198,6 +201,7 @@ def reports_markdown(reports: list[dict]) -> str:
         rows.append(
             [
                 label(report),
+                "quick" if is_quick(report) else "full",
                 env.get("interconnect") or "unknown",
                 env["torch"],
                 env["cuda"] or "none",
@@ -206,34 +210,49 @@ def reports_markdown(reports: list[dict]) -> str:
                 report.get("contributor") or "not given",
             ]
         )
-    return _table(["measured on", "interconnect", "torch", "CUDA", "NCCL", "date", "run by"], rows)
+    return _table(["measured on", "report", "interconnect", "torch", "CUDA", "NCCL", "date", "run by"], rows)
+
+
+def is_quick(report: dict) -> bool:
+    """Whether the report is a quick one (``--quick``: the launch-bound point and one sized preset)."""
+    return "--quick" in (report["environment"].get("command") or "")
 
 
 def report_markdown(report: dict) -> str:
     """One report: each strategy measured against the course's models, the collectives' bus bandwidth, the
-    copies, and what did not run and why. Every number is labelled with the hardware it was measured on."""
+    copies, and what did not run and why. Every number is labelled with the hardware it was measured on, and
+    every sweep row with its regime: its ranks (one rank sends nothing) and its predicted compute over its fixed
+    costs, a launch-bound row saying that it measures the host."""
     summary, where = report.get("summary", {}), label(report)
-    blocks = [f"**Measured on {where}** ({report['environment']['date'][:10]})"]
+    kind = ", quick report" if is_quick(report) else ""
+    blocks = [f"**Measured on {where}** ({report['environment']['date'][:10]}{kind})"]
     provenance = report.get("provenance")
     if provenance:
         changes = "; ".join(provenance["changes"])
         blocks.append(f"*Code that ran*: {provenance['code']}, with {changes}. {provenance['says']}")
     sweep = summary.get("sweep", [])
     if sweep:
+        if all(r["ranks"] == 1 for r in sweep):
+            blocks.append(
+                "One rank: nothing is sent between ranks, so these rows measure what each strategy costs around the "
+                "same arithmetic, not its communication. A row whose fixed costs are predicted to outweigh its "
+                "arithmetic is launch-bound: it measures the host (Python, launches, hooks) more than the GPU; one "
+                f"whose predicted compute is under {COMPUTE_DOMINATED:.0f}x its fixed costs may still show the host."
+            )
         rows = [
             [
                 _point(r),
                 r["variant"],
-                r["ranks"],
+                _ranks(r),
                 f"{1e3 * r['measured_s']:.1f}",
                 _rate(r),
                 "" if r.get("compute_over_fixed") is None else f"{r['compute_over_fixed']:.2g}x",
+                _left_out_ms(r),
                 _model_ms(r),
-                "" if r["error"] is None else f"{100 * r['error']:+.0f} %",
                 _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
                 _mib(r.get("counted_peak")),
-                _mib(r.get("cuda_max_allocated")),
-                _mib(r.get("cuda_max_reserved")),
+                _cuda(r, "cuda_max_allocated"),
+                _cuda(r, "cuda_max_reserved"),
             ]
             for r in sweep
         ]
@@ -246,8 +265,8 @@ def report_markdown(report: dict) -> str:
                     "measured ms",
                     "achieved TFLOP/s (share of the cited peak)",
                     "compute / fixed costs, PREDICTED",
-                    "model ms (its own calibration)",
-                    "error",
+                    "cost model ms, this point left out of its fit (error)",
+                    "fit ms, every point of the run in it, this one too (error)",
                     "PREDICTED ms from cited specs (arithmetic, optimizer, collectives; no fixed costs)",
                     "counted MiB",
                     "CUDA max allocated MiB",
@@ -256,6 +275,13 @@ def report_markdown(report: dict) -> str:
                 rows,
             )
         )
+        blocks += _model_errors(sweep)
+        if any(r.get("cuda_alone") is False for r in sweep):
+            blocks.append(
+                "CUDA's counters in this sweep are the whole process's: it built every strategy and a calibration "
+                "copy at once, so they are not each strategy's own (the counted bytes are). Later sweeps take each "
+                "strategy's peak with that strategy alone."
+            )
     collectives = summary.get("collectives", [])
     if collectives:
         rows = [
@@ -329,19 +355,74 @@ def _difference(row: dict) -> str:
     )
 
 
+def _model_errors(sweep: list[dict]) -> list[str]:
+    """One line under the sweep's table: the cost model's errors with each point left out of its own fit (the test),
+    and with every point in it (a fit), so that nobody reads the second as the first."""
+    tested = [r["left_out_error"] for r in sweep if r.get("left_out_error") is not None]
+    fitted = [r["error"] for r in sweep if r.get("error") is not None]
+    if not fitted:
+        return []
+    fit = (
+        f"fitted to every point of the run, each in its own fit: from {100 * min(fitted):+.0f} % to "
+        f"{100 * max(fitted):+.0f} % (a fit: it says how well the rates bend through these points, not whether "
+        "the model predicts)"
+    )
+    if not tested:
+        return [f"The cost model {fit}. The run has too few calibrated points to leave one out."]
+    median = statistics.median(abs(e) for e in tested)
+    return [
+        f"The cost model with each point left out of its own fit: from {100 * min(tested):+.0f} % to "
+        f"{100 * max(tested):+.0f} %, median |error| {100 * median:.0f} %, over {len(tested)} points; {fit}."
+    ]
+
+
+def _error(seconds: float, error: float | None) -> str:
+    percent = None if error is None else round(100 * error)
+    return f"{1e3 * seconds:.1f}" + ("" if percent is None else f" ({percent:+d} %)" if percent else " (0 %)")
+
+
+def _left_out_ms(row: dict) -> str:
+    """The cost model's step with this point left out of every fit it uses: the model's test. A run with too few
+    calibrated points to leave one out says so (a summary written before the course left points out, none)."""
+    if row.get("left_out_s") is not None:
+        return _error(row["left_out_s"], row.get("left_out_error"))
+    if row["model_s"] is None:
+        return "no calibration at this point"
+    if "calibrated_points" not in row:
+        return "not computed when this summary was written"
+    return f"{row['calibrated_points']} calibrated points: too few to leave one out"
+
+
 def _model_ms(row: dict) -> str:
-    """The cost model's step; on several ranks without each strategy's own cost, which only a one-rank run
-    measures apart from what it sends (the chapter's model adds it from such a run), and the cell says so."""
+    """The cost model fitted to every point of the run, this one included: a fit, not a test. On several ranks
+    without each strategy's own cost, which only a one-rank run measures apart from what it sends (the chapter's
+    model adds it from such a run), and the cell says so."""
     if row["model_s"] is None:
         return "no calibration at this point"
     without = "" if row.get("model_has_strategy_cost", True) else " (without the strategy's own cost)"
-    return f"{1e3 * row['model_s']:.1f}{without}"
+    return f"{_error(row['model_s'], row.get('error'))}{without}"
+
+
+def _ranks(row: dict) -> str:
+    return "1 (nothing sent)" if row["ranks"] == 1 else str(row["ranks"])
+
+
+REGIME_NOTES = {
+    "launch-bound": " (launch-bound: measures the host)",
+    "host may show": f" (predicted compute under {COMPUTE_DOMINATED:.0f}x: the host may show)",
+}
 
 
 def _point(row: dict) -> str:
     tokens = f", {row['tokens_per_rank']:,}" if row.get("tokens_per_rank") else ""
-    note = {"launch-bound": " (launch-bound)", "fsdp2-sized": " (FSDP2 alone)"}.get(row.get("point"), "")
-    return f"{row['model']}{tokens}{note}"
+    note = " (FSDP2 alone)" if row.get("point") == "fsdp2-sized" else ""
+    return f"{row['model']}{tokens}{note}{REGIME_NOTES.get(regime(row), '')}"
+
+
+def _cuda(row: dict, key: str) -> str:
+    """CUDA's counter: each strategy's own, or, in a sweep that built every strategy at once, the whole process's."""
+    cell = _mib(row.get(key))
+    return cell + " (whole process)" if row.get("cuda_alone") is False and row.get(key) is not None else cell
 
 
 def _rate(row: dict) -> str:

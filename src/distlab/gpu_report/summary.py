@@ -3,8 +3,9 @@
 Each function reads one result file's record and returns rows for ``report.json``'s ``summary``: the
 collectives' bus bandwidth with their alpha-beta fit (the form the cost model uses) and the bus bandwidth
 the course cites for this GPU, if any; host-to-device copy bandwidth; every strategy of the sweep against
-the course's cost model, calibrated on the same run, and against the cost model run on cited specifications
-where the course has them for this GPU; FSDP2's options against its defaults; BatchNorm against SyncBatchNorm.
+the course's cost model with inputs from the same run (each point left out of its own fit, and the fit to every
+point, named as one), and against the cost model run on cited specifications where the course has them for this
+GPU; FSDP2's options against its defaults; BatchNorm against SyncBatchNorm.
 """
 
 from __future__ import annotations
@@ -52,20 +53,27 @@ def copies(record: dict, system: System | None) -> list[dict]:
 
 
 def sweep(record: dict, system: System | None) -> list[dict]:
-    """Every point of the sweep: measured, the cost model calibrated on this run (no overlap: it is the
-    no-overlap end), the cited-specification range where the course has this GPU, the bytes the course
-    counts at the peak, and CUDA's own counters."""
+    """Every point of the sweep: measured; the cost model with this point left out of its fit
+    (:func:`distlab.predict.costmodel.leave_one_out`: the model's test, where the run has enough points), and the
+    same model fitted to every point, this one included (a fit: ``model_s``, ``error``), both from this run's
+    inputs, with no overlap (the no-overlap end); the cited-specification range where the course has this GPU;
+    the bytes the course counts at the peak, and CUDA's own counters, each strategy's alone or the whole
+    process's (``cuda_alone``)."""
     n = record["environment"]["world_size"]
     # a preset can run at two sizes (launch-bound, then sized): a point is its preset, its size and its strategy
     # on one rank nothing is sent: what the arithmetic misses is each strategy's own cost, fitted on the same run
     overheads = costmodel.StrategyCosts.fit(record) if n == 1 else None
     evaluated = costmodel.evaluate(record, overheads)
     by_point = {(r["model"], r["tokens_per_rank"], r["variant"]): r for r in evaluated}
+    left_out = {(r["model"], r["tokens_per_rank"], r["variant"]): r for r in costmodel.leave_one_out(record)}
+    points = len(costmodel.calibrated(record["metrics"]["presets"]))
+    cuda_alone = "cuda_memory_method" in record["metrics"]  # a sweep since a000737 takes each variant's peak alone
     out = []
     for preset in record["metrics"]["presets"]:
         for row in preset["variants"]:
             # the FSDP2 point ran no calibration copy: the cited-specification model is its only check
-            point = by_point.get((preset["model"], preset["tokens_per_rank"], row["variant"]))
+            key = (preset["model"], preset["tokens_per_rank"], row["variant"])
+            point, test = by_point.get(key), left_out.get(key)
             cuda = row.get("cuda_memory") or []
             predicted = None
             if system is not None and row["variant"] in gpu_predictions.VARIANTS:
@@ -86,11 +94,15 @@ def sweep(record: dict, system: System | None) -> list[dict]:
                     "model_s": None if point is None else point["predicted_s"],
                     "model_has_strategy_cost": overheads is not None,
                     "error": None if point is None else point["time_error"],
+                    "left_out_s": None if test is None else test["predicted_s"],
+                    "left_out_error": None if test is None else test["time_error"],
+                    "calibrated_points": points,
                     "predicted_s": predicted,
                     "unpredicted": None if predicted or system is None else "DDP and FSDP2 only",
                     "counted_peak": max(rank["peak"] for rank in row["memory"]["ranks"]),
                     "cuda_max_allocated": max((r["max_allocated"] for r in cuda), default=None),
                     "cuda_max_reserved": max((r["max_reserved"] for r in cuda), default=None),
+                    "cuda_alone": cuda_alone,
                 }
             )
     return out

@@ -32,7 +32,7 @@ from .streams import (
     plot_stream_timelines,
     stream_legend,
 )
-from .sweep import SWEEP_COLORS, plot_gpu_predictions, plot_model_against_sweep, plot_sweep
+from .sweep import SWEEP_COLORS, plot_compute_vs_allreduce, plot_gpu_predictions, plot_model_against_sweep, plot_sweep
 from .training import plot_loss_curves, plot_throughput
 from .transfer import (
     plot_copy_bandwidth,
@@ -75,6 +75,7 @@ __all__ = [
     "plot_sweep",
     "plot_model_against_sweep",
     "plot_gpu_predictions",
+    "plot_compute_vs_allreduce",
     "plot_loss_curves",
     "plot_throughput",
     "plot_copy_bandwidth",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import matplotlib
 
+from ..predict.gpu_predictions import COMPUTE_DOMINATED
 from ..results import read_result
 
 
@@ -44,30 +45,51 @@ def plot_report_bandwidth(report: dict):
 
 
 def plot_report_sweep(report: dict):
-    """Each strategy's measured step next to the cost model calibrated on the same run; None without a sweep."""
+    """Each strategy's measured step next to the cost model with that point left out of its fit (the model's test,
+    where the run has enough points) and the same model fitted to every point (a fit, labelled so), all from the
+    same run's inputs; each point's label carries its tokens and its regime. None without a sweep."""
     rows = report.get("summary", {}).get("sweep", [])
     if not rows:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
-    labels = [f"{r['model']} {r['variant']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4))
+    labels = [f"{r['model']} {r.get('tokens_per_rank') or ''} {r['variant']}{_regime(r)}" for r in rows]
     y = range(len(rows))
-    ax.barh([i - 0.2 for i in y], [1e3 * r["measured_s"] for r in rows], 0.4, label="measured", color="tab:green")
-    ax.barh(
-        [i + 0.2 for i in y],
-        [0.0 if r["model_s"] is None else 1e3 * r["model_s"] for r in rows],  # the FSDP2 point has no calibration
-        0.4,
-        label="cost model (this run's inputs)",
-        color="white",
-        edgecolor="black",
-        hatch="//",
-    )
-    ax.set_yticks(list(y), labels, fontsize=8)
+    bars = (
+        ("measured", "measured_s", {"color": "tab:green"}),
+        ("cost model, this point left out of its fit", "left_out_s", {"color": "white", "edgecolor": "black",
+                                                                       "hatch": "//"}),
+        ("fit: every point in it, this one too", "model_s", {"color": "0.85", "edgecolor": "0.5"}),
+    )  # fmt: skip
+    for k, (name, key, style) in enumerate(bars):
+        values = [0.0 if r.get(key) is None else 1e3 * r[key] for r in rows]  # none: too few points, or none at all
+        ax.barh([i + (k - 1) * 0.27 for i in y], values, 0.27, label=name, **style)
+    ax.set_yticks(list(y), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="ms per optimizer step", title=f"Measured on {report_label(report)}")
-    ax.legend(fontsize=8)
+    ranks = {r["ranks"] for r in rows}
+    sent = ", 1 rank: nothing sent between ranks" if ranks == {1} else f", {'/'.join(map(str, sorted(ranks)))} ranks"
+    ax.set(xlabel="ms per optimizer step", xscale="log")
+    ax.set_title(f"Measured on {report_label(report)}{sent}", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def regime(row: dict) -> str:
+    """A GPU report's sweep row's regime, from its predicted compute over its fixed costs (``compute_over_fixed``)
+    and the label its run gave the point: "launch-bound" where the run sized it so or the fixed costs are predicted
+    to outweigh the arithmetic (it measures the host: Python, launches, hooks), "host may show" between that and
+    ``COMPUTE_DOMINATED``, "compute-dominated" above, "unknown" without a prediction (no cited GPU)."""
+    ratio = row.get("compute_over_fixed")
+    if row.get("point") == "launch-bound" or (ratio is not None and ratio < 1):
+        return "launch-bound"
+    if ratio is None:
+        return "unknown"
+    return "host may show" if ratio < COMPUTE_DOMINATED else "compute-dominated"
+
+
+def _regime(row: dict) -> str:
+    return " (launch-bound)" if regime(row) == "launch-bound" else ""
 
 
 def save_pictures(report: dict, folder: Path) -> list[str]:

@@ -56,9 +56,10 @@ def plot_sweep(records: Sequence[dict]):
     return fig
 
 
-def plot_model_against_sweep(rows: Sequence[dict], time_band: float = 0.15, memory_band: float = 0.05):
+def plot_model_against_sweep(rows: Sequence[dict], time_band: float = 0.15, memory_band: float = 0.05, title: str = ""):
     """The cost model's step time and peak memory (y) against the measured ones (x), every point of the
-    sweep; the shaded bands are the model's goals (within 15 % in time, 5 % in memory)."""
+    sweep; the shaded bands are the model's goals (within 15 % in time, 5 % in memory). ``title`` says what the
+    model saw (each point left out of its fit, or a fit)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     markers = {1: "o", 2: "s", 4: "^", 8: "D"}
     for ax, (measured, predicted, band, scale, unit) in zip(
@@ -86,6 +87,8 @@ def plot_model_against_sweep(rows: Sequence[dict], time_band: float = 0.15, memo
     handles += [plt.Line2D([], [], color="0.3", marker=m, ls="", label=f"{n} rank(s)") for n, m in markers.items()
                 if any(r["world_size"] == n for r in rows)]  # fmt: skip
     axes[1].legend(handles=handles, fontsize=7, ncol=2, loc="upper left")
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -120,5 +123,44 @@ def plot_gpu_predictions(rows: Sequence[dict]):
         column[1].legend(fontsize=7)
     axes[0][0].legend(fontsize=7)
     fig.suptitle("PREDICTED by the cost model from cited specifications; not measured", fontsize=10, color="C3")
+    fig.tight_layout()
+    return fig
+
+
+def plot_compute_vs_allreduce(systems=None, tokens: Sequence[float] | None = None):
+    """PREDICTED, from cited specifications: per parameter of any model, the time a step computes (6 FLOPs per
+    parameter per token at the GPU's peak times its MFU, :func:`distlab.predict.gpu_predictions.achieved_flops`)
+    and the time DDP's fp32 ring all-reduce takes with nothing hidden (2 (n-1)/n x 4 bytes per parameter at the bus
+    bandwidth), against tokens per GPU, for each multi-GPU system (``gpu_predictions.SYSTEMS`` by default). The two
+    cross at :func:`distlab.predict.gpu_predictions.crossing_tokens`, marked: above it compute covers the
+    all-reduce, whatever the model's size. Each system's lines carry ``gid`` ``"<key> compute"``, ``"<key>
+    all-reduce"`` and ``"<key> crossing"``, in seconds per billion parameters."""
+    from ..predict import gpu_predictions
+    from ..predict.gpu_specs import SYSTEMS
+
+    systems = {k: s for k, s in (systems or SYSTEMS).items() if s.count > 1}  # one GPU sends nothing
+    tokens = list(tokens or [2**k for k in range(5, 18)])
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    billion = 1e9
+    for index, (key, system) in enumerate(systems.items()):
+        color, n = f"C{index}", system.count
+        compute = [6 * billion * t / gpu_predictions.achieved_flops(system.gpu) for t in tokens]
+        allreduce = 2 * (n - 1) / n * 4 * billion / system.allreduce_busbw
+        name = f"{n}x {system.gpu.name.split(' (')[0]}"
+        width = 3.2 - 0.6 * index  # systems with the same GPU draw the same compute line: the wider shows under
+        ax.plot(tokens, compute, color=color, lw=width, gid=f"{key} compute", label=f"{name}: compute")
+        ax.plot(tokens, [allreduce] * len(tokens), color=color, lw=width * 0.8, ls="--", gid=f"{key} all-reduce",
+                label=f"{name}: fp32 all-reduce, nothing hidden")  # fmt: skip
+        t = gpu_predictions.crossing_tokens(system)
+        ax.plot([t], [allreduce], "o", color=color, ms=6, gid=f"{key} crossing")
+        ax.annotate(f"{t:,.0f}", (t, allreduce), textcoords="offset points", xytext=(4, 5 + 8 * (index % 2)),
+                    fontsize=7, color=color)  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="tokens per GPU per step",
+           ylabel="seconds per billion parameters")  # fmt: skip
+    ax.set_title("PREDICTED from cited specifications: compute against DDP's unhidden fp32 all-reduce;\n"
+                 "they cross at t = 8(n-1)/n x peak x MFU / (6 x busbw) tokens per GPU, marked",
+                 fontsize=9, color="C3")  # fmt: skip
+    ax.legend(fontsize=6.5, ncol=2, loc="upper left")
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig

@@ -2,26 +2,24 @@
 
     step time = compute + optimizer step + communication - overlap
 
-* compute: the FLOPs of forward and backward (:func:`training_flops`) over a throughput, plus a fixed
-  cost per step; both fitted to steps timed with no communication at all (:class:`ComputeModel`), or,
-  for a GPU, its cited peak times a cited achieved fraction;
-* optimizer step: the values this rank steps (all of them when replicated, 1/N when sharded) times
-  a cost per value, fitted the same way;
+* compute: the FLOPs of forward and backward (:func:`training_flops`) over a throughput, plus a fixed cost per
+  step, fitted to steps timed with no communication at all (:class:`ComputeModel`), or for a GPU its cited peak
+  times a cited achieved fraction; the optimizer step: the values this rank steps times a cost per value;
 * communication: every collective the strategy issues (:func:`collective_calls`), each costed by
   the fit of that collective on that backend (:class:`CollectiveModel`: ``alpha + bytes * beta``;
   on GPUs ``steps * alpha + bytes sent / bus bandwidth``). A backend's own algorithm is in its fit:
   gloo's reduce-scatter runs a whole all-reduce underneath, NCCL's is a ring reduce-scatter;
-* overlap: none where the collectives run on the same cores as the compute (gloo on a CPU); on GPUs,
-  the collectives of all but the last bucket or unit may hide behind backward (an upper bound);
+* overlap: none where the collectives share the compute's cores (gloo on a CPU); on GPUs those of all but the
+  last bucket or unit may hide behind backward (an upper bound);
 * what a strategy costs around the same arithmetic, measured on one rank where nothing is sent: point by
   point (:func:`strategy_overheads`), or as a law, a cost per collective call and per parameter value
-  (:class:`StrategyCosts`), which holds for presets and batch sizes the one-rank run did not measure.
+  (:class:`StrategyCosts`), for presets and sizes the one-rank run did not measure; checked on points left out of
+  every fit (:func:`leave_one_out`).
 
     peak memory = parameters + gradients + optimizer state (:func:`distlab.predict.memory.expected_state_bytes`)
                   + gathered whole parameters + buffers a strategy keeps + activations
 
-with activations measured once per model and batch (they do not depend on the strategy), and the
-parts alive at the peak chosen by where the peak falls (:func:`predict_peak_bytes`).
+with activations measured once per model and batch, and the parts alive at the peak chosen by where it falls.
 """
 
 from __future__ import annotations
@@ -148,10 +146,8 @@ def fit_collectives(rows: Sequence[dict]) -> dict[tuple[str, str], CollectiveMod
 
 
 def reduction_cost(fits: dict[tuple[str, str], CollectiveModel], impl: str, n: int) -> float | None:
-    """gamma: seconds to reduce one byte, separated from the link's beta where two collectives move the
-    same bytes and only one reduces. A ring's reduce-scatter and all-gather each send (n-1)/n of the tensor
-    and the first also sums it; torch's all-reduce on gloo sends twice an all-gather's bytes and sums once
-    (its reduce-scatter runs a whole all-reduce, so it cannot separate gamma)."""
+    """gamma: seconds to reduce one byte, apart from the link's beta, where two collectives move the same bytes and
+    one reduces: a ring's reduce-scatter and all-gather; torch's all-reduce on gloo (twice an all-gather's bytes)."""
     f = (n - 1) / n
     gather = fits.get(("all_gather", impl))
     reducing = fits.get(("reduce_scatter", impl)) if impl == "ring" else fits.get(("all_reduce", impl))
@@ -168,9 +164,8 @@ def _flat_bytes(shapes: Sequence[Shape], n: int, per_parameter_padding: bool, by
 
 
 def _buckets(shapes: Sequence[Shape], first: int, cap: int, bytes_per_value: int = 4) -> list[int]:
-    """torch DDP's bucket sizes: filled in reverse registration order (gradients become ready back to
-    front), each closed once it reaches its limit, ``first`` for the first bucket and ``cap`` after it
-    (torch's reducer, ``compute_bucket_assignment_by_size``)."""
+    """torch DDP's bucket sizes (``compute_bucket_assignment_by_size``): filled in reverse registration order, each
+    closed once it reaches its limit, ``first`` for the first bucket and ``cap`` after it."""
     buckets, current, limit = [], 0, first
     for shape in reversed(shapes):
         current += math.prod(shape) * bytes_per_value
@@ -370,16 +365,14 @@ def _shapes(preset: dict) -> tuple[list[Shape], list[Shape] | None]:
 
 @dataclass(frozen=True)
 class StrategyCosts:
-    """What each strategy costs around the bare model's arithmetic, as a law: a cost per collective call it
-    makes (hooks, Python and dispatch around each unit or bucket, the launches of its copies and of the call
-    itself, however little it sends) and a cost per parameter value (copies into and out of flat buffers,
-    casts). Neither grows with a step's tokens: on a GPU they are the fixed part of a strategy's step.
-
-    :func:`strategy_overheads` measures the same cost point by point; this fits the two rates of each
-    strategy across a one-rank sweep's presets (:meth:`fit`), so that it predicts presets and batch sizes
-    the sweep did not run, and so that its misses say whether the structure holds. On one H200 the
-    per-call rate is what separates the strategies (FSDP2 about a millisecond per call); on a CPU the
-    per-value rate (copies there run at a few GB/s)."""
+    """What each strategy costs around the bare model's arithmetic, as a law: a cost per collective call (hooks,
+    Python and dispatch around each unit or bucket, the launches of its copies and of the call, however little it
+    sends) and one per parameter value (copies into and out of flat buffers, casts). Neither grows with a step's
+    tokens. :func:`strategy_overheads` measures the cost point by point; this fits two rates per strategy over a
+    one-rank sweep's presets (:meth:`fit`), to predict presets and sizes it did not run (:func:`leave_one_out` checks
+    that). On the one H200 run (one rank, nothing sent, 8 x 256 tokens, one host) the per-call rate separates the
+    strategies (FSDP2 about a millisecond per call there), on a CPU the per-value rate. Both are host costs: on a
+    GPU they add to a step only where the GPU waits for the host."""
 
     per_call_s: Mapping[str, float]
     per_value_s: Mapping[str, float]
@@ -394,10 +387,9 @@ class StrategyCosts:
 
     @classmethod
     def fit(cls, one_rank: dict) -> StrategyCosts:
-        """Per strategy, ``per_call * calls + per_value * values`` (both at least 0) fitted to its one-rank steps
-        less the bare model's, over every preset and batch size of the run, each point weighted by the square of
-        one over its measured step: the fit minimises the relative errors of the steps it predicts, and a point
-        whose strategy costs nothing measurable weighs no more than any other."""
+        """Per strategy, ``per_call * calls + per_value * values`` (both at least 0) fitted to its one-rank steps less
+        the bare model's, over every point of the run, each weighted by one over its measured step squared: the
+        relative errors of the steps it predicts, where a strategy that costs nothing weighs as much as any other."""
         if one_rank["environment"]["world_size"] != 1:
             raise ValueError("strategy costs come from a one-rank sweep, where nothing communicates")
         points: dict[str, list[tuple[int, int, float, float]]] = {}
@@ -415,60 +407,53 @@ class StrategyCosts:
         return cls(per_call, per_value)
 
 
-def evaluate(result: dict, overheads: dict[tuple[str, str], float] | StrategyCosts | None = None) -> list[dict]:
-    """Every point of one sweep result (one world size): the model's step time and peak memory next
-    to the measured ones. The model's inputs come from the same run's calibration (the steps with no
-    communication, the collectives' timings, the activations' high-water mark), never from the
-    strategies' own measurements; ``overheads`` adds each strategy's cost around the arithmetic: a table
-    (:func:`strategy_overheads`, from another run) or a law (:class:`StrategyCosts`). A point with no calibration
-    (:func:`calibrated`) has nothing to evaluate against and is left out."""
+def evaluate(
+    result: dict,
+    overheads: dict[tuple[str, str], float] | StrategyCosts | None = None,
+    compute: ComputeModel | None = None,
+) -> list[dict]:
+    """Every calibrated point (:func:`calibrated`) of one sweep result (one world size): the model's step time and
+    peak memory next to the measured ones, with inputs from the same run's calibration (the steps with no
+    communication, the collectives' timings, the activations' high-water mark), never the strategies' own steps.
+    ``overheads`` adds each strategy's cost around the arithmetic, a table (:func:`strategy_overheads`) or a law
+    (:class:`StrategyCosts`); ``compute`` replaces the fit over every point of the run (:func:`leave_one_out`)."""
     metrics, n = result["metrics"], result["environment"]["world_size"]
     overheads = overheads or {}
     backend = result["environment"].get("backend", "gloo")
-    compute = ComputeModel.fit(metrics["presets"])
+    compute = compute or ComputeModel.fit(metrics["presets"])
     collectives = fit_collectives(metrics["collectives"])
     rows = []
     for preset in calibrated(metrics["presets"]):
-        units = [[tuple(s) for s in unit] for unit in preset["units"]]
-        order = [tuple(s) for s in preset["parameter_shapes"]] if "parameter_shapes" in preset else None
+        units, order = _shapes(preset)
         local = max(preset["local"]["memory"]["ranks"], key=lambda rank: rank["peak"])
         activations = local["activations_peak"]
         backward_extra = local["peak"] - local["parameters"] - local["optimizer_state"]
         for row in preset["variants"]:
-            if isinstance(overheads, StrategyCosts):
-                extra = overheads.for_preset(row["variant"], preset)
-            else:
-                extra = overheads.get((preset["model"], row["variant"]), 0.0)
+            key = (preset["model"], row["variant"])
+            law = isinstance(overheads, StrategyCosts)
+            extra = overheads.for_preset(row["variant"], preset) if law else overheads.get(key, 0.0)
             step = predict_step_s(
                 row["variant"], preset["model"], preset["tokens_per_rank"], preset["seq_len"], n, units, compute,
                 collectives, backend, order=order, overhead_s=extra,
             )  # fmt: skip
             memory = predict_peak_bytes(row["variant"], n, units, activations, backward_extra)
             measured_peak = max(rank["peak"] for rank in row["memory"]["ranks"])
-            rows.append(
-                {
-                    "model": preset["model"],
-                    "tokens_per_rank": preset["tokens_per_rank"],
-                    "point": preset.get("point", ""),
-                    "world_size": n,
-                    "variant": row["variant"],
-                    "measured_s": row["time_s"],
-                    "predicted_s": step["total_s"],
-                    "time_error": relative_error(step["total_s"], row["time_s"]),
-                    "measured_peak": measured_peak,
-                    "predicted_peak": memory["peak"],
-                    "peak_error": relative_error(memory["peak"], measured_peak),
-                    "parts_s": {k: v for k, v in step.items() if k.endswith("_s") and k != "total_s"},
-                }
-            )
+            rows.append({
+                "model": preset["model"], "tokens_per_rank": preset["tokens_per_rank"], "world_size": n,
+                "point": preset.get("point", ""), "variant": row["variant"], "measured_s": row["time_s"],
+                "predicted_s": step["total_s"],
+                "time_error": relative_error(step["total_s"], row["time_s"]), "measured_peak": measured_peak,
+                "predicted_peak": memory["peak"], "peak_error": relative_error(memory["peak"], measured_peak),
+                "parts_s": {k: v for k, v in step.items() if k.endswith("_s") and k != "total_s"},
+            })  # fmt: skip
     return rows
 
 
 def one_rank_calibration(result: dict) -> list[dict]:
-    """Every point of a one-rank sweep against the model calibrated on that same run, without and with the
-    strategy law: ``before`` is compute + optimizer alone (on one rank nothing is sent, so the model predicts
-    the same step for every strategy), ``after`` adds :class:`StrategyCosts` fitted to the run's strategies.
-    Two rates per strategy against every preset of the run: where the structure is wrong, the fit misses."""
+    """Every point of a one-rank sweep against the model calibrated on that same run: ``before`` compute + optimizer
+    alone (the same step for every strategy: nothing is sent), ``after`` with :class:`StrategyCosts` fitted to the
+    run. Both are fits, every point in its own: they say how well the rates bend, not how well the model predicts
+    (:func:`leave_one_out`)."""
     law = StrategyCosts.fit(result)
     rows = []
     for before, after in zip(evaluate(result), evaluate(result, law), strict=True):
@@ -478,4 +463,38 @@ def one_rank_calibration(result: dict) -> list[dict]:
             | {"after_s": after["predicted_s"], "after_error": after["time_error"]}
             | {"per_call_s": law.per_call_s[after["variant"]], "per_value_s": law.per_value_s[after["variant"]]}
         )
+    return rows
+
+
+def point_key(preset: dict) -> tuple[str, int]:
+    """A sweep point: its preset and its tokens per rank (a GPU sweep runs a preset at two sizes)."""
+    return preset["model"], preset["tokens_per_rank"]
+
+
+def _points(result: dict, keep) -> dict:
+    """The sweep result with only the points (:func:`point_key`) ``keep`` is true of."""
+    presets = [preset for preset in result["metrics"]["presets"] if keep(point_key(preset))]
+    return result | {"metrics": result["metrics"] | {"presets": presets}}
+
+
+LEAVE_ONE_OUT_MINIMUM = 3
+"""Points a run needs to leave one out: each fit has two unknowns (a fixed cost and a rate), which two points fix."""
+
+
+def leave_one_out(result: dict, one_rank: dict | None = None) -> list[dict]:
+    """The model's test: every calibrated point of one sweep result predicted by the model fitted **without it**:
+    :class:`ComputeModel` on the other points' bare steps, :class:`StrategyCosts` on the other points of ``one_rank``
+    (``result`` itself on one rank; no law on several ranks without one), so neither a point's own steps nor its
+    preset's one-rank steps predict it. The collectives' fits stay: timed apart, they hold no step. Rows as
+    :func:`evaluate`'s, with ``left_out``; none under ``LEAVE_ONE_OUT_MINIMUM`` points. A fit evaluated on its own
+    points (:func:`one_rank_calibration`) says only how well it bends."""
+    one_rank = result if one_rank is None and result["environment"]["world_size"] == 1 else one_rank
+    points = [point_key(preset) for preset in calibrated(result["metrics"]["presets"])]
+    if len(points) < LEAVE_ONE_OUT_MINIMUM:
+        return []
+    rows = []
+    for key in points:
+        compute = ComputeModel.fit(_points(result, lambda k: k != key)["metrics"]["presets"])
+        law = None if one_rank is None else StrategyCosts.fit(_points(one_rank, lambda k: k != key))
+        rows += [row | {"left_out": True} for row in evaluate(_points(result, lambda k: k == key), law, compute)]
     return rows

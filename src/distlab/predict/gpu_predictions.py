@@ -149,6 +149,25 @@ def predict(
     }  # fmt: skip
 
 
+def achieved_flops(gpu: GPU) -> float:
+    """What the predictions take one GPU to compute at: its dense 16-bit peak (bf16, or fp16 where it has no bf16,
+    as on a T4) times its MFU."""
+    return gpu.peak_flops("bf16" if gpu.bf16_flops else "fp16") * gpu.mfu
+
+
+def crossing_tokens(system: System) -> float | None:
+    """Tokens per GPU and step above which DDP's compute outlasts its fp32 all-reduce with nothing hidden, on
+    ``system``'s GPU count: a step computes about 6 FLOPs per parameter per token, so ``t`` tokens take
+    ``6 P t / (peak * MFU)``; the ring all-reduce of fp32 gradients sends ``2 (n-1)/n * 4 P`` bytes at the bus
+    bandwidth whatever ``t``. ``P`` cancels: ``t = 8 (n-1)/n * peak * MFU / (6 * busbw)``, for every model size.
+    (:func:`predict` crosses a little elsewhere: attention adds FLOPs that do not grow with ``P``, and each bucket
+    adds its latency.) None on one GPU, which sends nothing."""
+    n = system.count
+    if n < 2:
+        return None
+    return 8 * (n - 1) / n * achieved_flops(system.gpu) / (6 * system.allreduce_busbw)
+
+
 def table(models: tuple[str, ...], tokens: int = 2048, seq_len: int = 1024, policy: str = "course") -> list[dict]:
     """Every system at its own GPU count, every preset, every variant, on ``policy``'s wire (``POLICIES``)."""
     return [
@@ -178,7 +197,15 @@ HOST_COSTS = StrategyCosts(
     per_value_s={"ddp": 0.0, "zero1": 0.0, "zero2": 53e-12, "zero3": 13e-12, "fsdp": 0.0, "fsdp-no-reshard": 6.4e-12},
 )  # fmt: skip
 """Each strategy's cost around the bare model's arithmetic (:class:`~distlab.predict.costmodel.StrategyCosts`),
-``HOST_RUN``: FSDP2 about 1.1 ms per collective call on one rank, five times the course's ZeRO-3."""
+``HOST_RUN``: on that one host, one rank (nothing sent), 8 x 256 tokens, FSDP2 cost about 1.1 ms per collective call,
+five times the course's ZeRO-3. Measured once; other hosts will differ. It is a host-side cost: at a
+compute-dominated point the GPU hides it (the 2026-11-28 quick report's gpt-mini at 1016 x 256 tokens on the same
+GPU: FSDP2's step within a few per cent of DDP's), so it sizes a sweep conservatively."""
+COMPUTE_DOMINATED = 3.0
+"""A step is compute-dominated when its predicted arithmetic is at least this many times its fixed costs
+(:func:`fixed_s`): compute is then three quarters of the step or more. Under it, a point is launch-bound and
+measures the host (Python, kernel launches, the framework's hooks) more than the GPU. A sweep is sized for it
+(:func:`sweep_size`'s ``margin``), and the pages label every GPU point by it."""
 FALLBACK_GPU = A100_40GB
 """ASSUMPTION for a GPU the course cites nothing for: the A100 40 GB's peaks and MFU, the middle of the cited
 GPUs (T4: 14 TFLOP/s achieved; A100: 134; H100 and H200: 346). Only a sweep's size rests on it, never a
@@ -297,7 +324,7 @@ def sweep_size(
     memory_bytes: int,
     resident_bytes: int,
     system: System | None = None,
-    margin: float = 3.0,
+    margin: float = COMPUTE_DOMINATED,
     alone: bool = False,
 ) -> SweepSize | None:
     """The batch (sequences of ``seq_len`` per rank, a multiple of 8) at which ``model``'s step is compute-dominated:
