@@ -10,7 +10,7 @@ May import: config, results, comm, predict.
 
 from .collectives import LINE_STYLES, plot_busbw, plot_shard_collectives, plot_time_model
 from .common import jshtml, run_label
-from .ddp import plot_step_times, plot_timeline
+from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
 from .ring_animation import plot_holdings
@@ -40,6 +40,9 @@ __all__ = [
     "run_label",
     "jshtml",
     "plot_step_times",
+    "plot_gradient_averaging",
+    "plot_bucket_schedule",
+    "traced_all_reduces",
     "plot_report_bandwidth",
     "plot_report_sweep",
     "plot_timeline",
