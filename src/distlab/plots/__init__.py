@@ -1,9 +1,10 @@
 """Figures, labelled from result files, one module per chapter's subject; every plot_* is here too.
 
 Each figure takes result records (as :func:`distlab.results.read_result` returns them) and labels the
-hardware from the records' own environment. Every figure is re-exported here: ``from distlab import plots;
-plots.plot_busbw(...)``. A figure draws records and predictions; it never imports a benchmark (what it needs of
-one lives in :mod:`distlab.predict`).
+hardware from the records' own environment, or, for a picture of who holds and sends what, the calls a page's
+own code made on traced ranks (:func:`distlab.exercises.run_on_ranks`) or the plan it follows. Every figure is
+re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and predictions;
+it never imports a benchmark (what it needs of one lives in :mod:`distlab.predict`).
 
 May import: config, results, comm, predict.
 """
