@@ -161,9 +161,9 @@ def test_ranks_sharing_one_gpu_through_gloo_all_compute_on_it(script, monkeypatc
 ONE_PER_GPU = {0: (2, "cpu", "gloo"), 1: (1, "cuda", "nccl"), 2: (2, "cuda", "nccl"), 4: (4, "cuda", "nccl")}
 TWO_RANKS = {0: (2, "cpu", "gloo"), 1: (2, "cuda", "gloo"), 2: (2, "cuda", "nccl"), 4: (2, "cuda", "nccl")}
 EXPECTED = {
-    "lab0_first_run": ONE_PER_GPU,  # its first run: one rank per GPU, as on Kaggle's pair
+    "lab0_first_run": TWO_RANKS,  # the labs of two ranks: on one GPU, two gloo ranks share it
     "lab_pinned_memory": ONE_PER_GPU,  # each rank measures its own GPU's copies
-    "lab_ddp_mnist": TWO_RANKS,  # the labs of two ranks: on one GPU, two gloo ranks share it
+    "lab_ddp_mnist": TWO_RANKS,
     "lab_fsdp": TWO_RANKS,
     "lab_ring_allreduce": TWO_RANKS,
 }

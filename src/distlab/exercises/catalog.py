@@ -23,7 +23,8 @@ class Exercise:
     name: str
     """What ``check`` takes: ``check("ring_reduce_scatter", my_function)``."""
     page: str
-    """The book page it ends (a file under ``book/`` without ``.md``, or ``labs/<lab>``)."""
+    """The book page that holds it (a file under ``book/`` without ``.md``, or ``labs/<lab>``): its stub, its
+    ``check`` cell and its solution, right after the idea it practises."""
     task: str
     """What to write, in a sentence or two."""
     signature: str
@@ -41,7 +42,7 @@ class Exercise:
     on_error: Callable[[dict], str | None] | None = None
     """A learner exception (the trial's report) -> a mistake name, where an exception tells a typical mistake."""
     pages: tuple[str, ...] = ()
-    """Further pages (labs) that end with this exercise too."""
+    """Further pages (labs) that hold this exercise too."""
 
     def solution_function(self) -> Callable:
         module, _, function = self.solution.rpartition(".")

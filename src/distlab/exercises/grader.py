@@ -96,11 +96,11 @@ def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout
 
 
 def solutions_pass(page: str) -> list[str]:
-    """Grade the solution of every exercise that ``page`` ends with (what the book's build runs): the names
-    graded; DistlabError with the verdicts if one fails."""
+    """Grade the solution of every exercise on ``page``, wherever on the page it sits (what the book's build
+    runs): the names graded; DistlabError with the verdicts if one fails."""
     exercises = [e for e in all_exercises().values() if page in (e.page, *e.pages)]
     if not exercises:
-        raise DistlabError(f"no exercise ends page {page!r}")
+        raise DistlabError(f"no exercise is on page {page!r}")
     failed = [v for v in (grade(e.name, e.solution_function()) for e in exercises) if not v.passed]
     if failed:
         raise DistlabError("a solution fails its own check:\n" + "\n".join(v.message for v in failed))

@@ -1,9 +1,10 @@
 """Figures, labelled from result files, one module per chapter's subject; every plot_* is here too.
 
 Each figure takes result records (as :func:`distlab.results.read_result` returns them) and labels the
-hardware from the records' own environment. Every figure is re-exported here: ``from distlab import plots;
-plots.plot_busbw(...)``. A figure draws records and predictions; it never imports a benchmark (what it needs of
-one lives in :mod:`distlab.predict`).
+hardware from the records' own environment, or, for a picture of who holds and sends what, the calls a page's
+own code made on traced ranks (:func:`distlab.exercises.run_on_ranks`) or the plan it follows. Every figure is
+re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and predictions;
+it never imports a benchmark (what it needs of one lives in :mod:`distlab.predict`).
 
 May import: config, results, comm, predict.
 """
@@ -19,7 +20,7 @@ from .collectives import (
     step_call_order,
 )
 from .common import jshtml, run_label
-from .ddp import plot_step_times, plot_timeline
+from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_bars, plot_state_per_rank
 from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
@@ -53,6 +54,9 @@ __all__ = [
     "run_label",
     "jshtml",
     "plot_step_times",
+    "plot_gradient_averaging",
+    "plot_bucket_schedule",
+    "traced_all_reduces",
     "plot_report_bandwidth",
     "plot_report_sweep",
     "plot_timeline",
