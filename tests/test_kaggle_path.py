@@ -87,7 +87,7 @@ def test_k10_on_kaggle_the_labs_keep_mnist_outside_the_notebooks_output():
     """K10: the labs downloaded MNIST into /kaggle/working, which Kaggle keeps as the notebook's output (65 MB)."""
     setup = (ROOT / "scripts" / "lab_setup.py").read_text()
     assert 'DATA_DIR = os.path.expanduser("~/.cache/distlab/data") if os.path.isdir("/kaggle/working")' in setup
-    for lab in ("lab_ddp_mnist", "lab_fsdp"):
+    for lab in ("lab0_first_run", "lab_ddp_mnist", "lab_fsdp"):
         cells = json.loads((ROOT / "notebooks" / f"{lab}.ipynb").read_text())["cells"]
         code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
         assert '"--dataset", "mnist", "--data-dir", DATA_DIR' in code, lab

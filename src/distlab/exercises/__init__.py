@@ -1,4 +1,4 @@
-"""Exercises the learner solves at the end of each chapter and lab, graded on real ranks in seconds.
+"""Exercises the learner solves after each chapter's ideas and in each lab, graded on real ranks in seconds.
 
 ``check(name, fn)`` is what a notebook calls: the learner's function shipped to real ranks (gloo on the CPU,
 NCCL on two or more GPUs), bounded in time, answered in words. ``run_on_ranks(fn)`` runs a page's own code the
