@@ -17,6 +17,8 @@ from .ring_animation import plot_holdings
 from .streams import (
     STREAM_COLORS,
     animate_copy_compute_ratio,
+    copy_path_holdings,
+    plot_copy_paths,
     plot_host_costs,
     plot_speedup_curves,
     plot_stream_timeline,
@@ -55,6 +57,8 @@ __all__ = [
     "plot_stream_timelines",
     "plot_speedup_curves",
     "animate_copy_compute_ratio",
+    "copy_path_holdings",
+    "plot_copy_paths",
     "SWEEP_COLORS",
     "plot_sweep",
     "plot_model_against_sweep",
