@@ -1,7 +1,10 @@
-"""The pinned-memory chapter's picture, drawn from what the course's code does and checked against it (the stream
-model's intervals for a copy's path)."""
+"""The pinned-memory and FSDP2 chapters' pictures: each drawn from what the course's code does, and checked
+against it (the stream model's intervals for a copy's path; the real trace of fully_shard on gloo ranks for an
+FSDP unit's gathers and reduce-scatters)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import matplotlib
 
@@ -15,6 +18,7 @@ from distlab.predict import stream_scenarios  # noqa: E402
 from distlab.predict.streams import HOST, Inputs  # noqa: E402
 
 MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
 SLOW_HOST = Inputs(link_GBps=15.75, stage_GBps=8.0, api_s=5e-6)  # staging slower than the link: the host sets the pace
 FAST_HOST = Inputs(link_GBps=15.75, stage_GBps=30.0, api_s=5e-6)  # faster: the host waits for a buffer between chunks
 
@@ -75,3 +79,66 @@ def test_the_copy_path_figure_is_labelled_a_prediction_and_draws_both_paths():
         assert len(outlined) == len(sends) > 0
         assert f"{path.call.host_blocked_s * 1e3:.3f} ms" in right.get_title(loc="left")
     matplotlib.pyplot.close(fig)
+
+
+# -- FSDP2: an FSDP unit's gathers and reduce-scatters, from the trace of the chapter's own fully_shard code -------
+
+UNITS = [("layer 0", [(16, 16), (16,)]), ("layer 2", [(8, 16), (8,)])]  # the page's Linear(16, 16), Linear(16, 8)
+
+
+def _page_function(tmp_path, name: str = "one_fsdp_step"):
+    """The chapter's own function, cut from its code cell and imported from a file (so it can travel to ranks)."""
+    import importlib.util
+
+    page = (ROOT / "book" / "fsdp2_in_practice.md").read_text()
+    start = page.index("import torch\nimport torch.distributed as dist\nfrom torch.distributed.device_mesh")
+    source = page[start : page.index("runs = run_on_ranks(", start)]
+    assert f"def {name}():" in source and "fully_shard(model, mesh=mesh)" in source
+    path = tmp_path / "fsdp_page_code.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("fsdp_page_code", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_the_fsdp2_picture_draws_the_collectives_fully_shard_really_ran(tmp_path):
+    """The chapter's fully_shard step on 2 gloo ranks, traced: each unit all-gathered twice (forward, then again
+    for backward: it was freed in between) with its whole padded bytes, one reduce-scatter per unit; the picture's
+    frames outline, on every rank, the unit each traced call moved, and leave every rank its rows' gradient sum."""
+    from distlab.exercises import run_on_ranks
+
+    runs = run_on_ranks(_page_function(tmp_path), ranks=2, timeout_s=120)
+    assert [run.printed for run in runs] == [[f"rank {r}: holds 204 of the model's 408 values"] for r in range(2)]
+    ops = [[call["op"] for call in run.calls] for run in runs]
+    assert ops[0] == ops[1]
+    gathered = {"layer 0": 2 * (8 * 16 + 8) * 4, "layer 2": 2 * (4 * 16 + 4) * 4}  # every rank's rows, fp32
+    gathers = [call for call in runs[0].calls if call["op"].startswith("all_gather")]
+    reduces = [call for call in runs[0].calls if call["op"].startswith("reduce_scatter")]
+    assert sorted(call["bytes"] for call in gathers) == sorted(2 * list(gathered.values()))
+    assert len(reduces) == len(UNITS) and len(runs[0].calls) == len(gathers) + len(reduces)
+    for call in reduces:  # where the trace holds a reduce-scatter's bytes, they are one rank's rows
+        assert call.get("bytes") in (None, *(b // 2 for b in gathered.values()))
+    frames = plots.fsdp_unit_frames(runs[0].calls, UNITS, 2)
+    assert len(frames) == 1 + len(runs[0].calls)
+    names = [name for name, _ in UNITS]
+    for frame, call in zip(frames[1:], runs[0].calls):
+        unit = frame["unit"]
+        column = unit if call["op"].startswith("all_gather") else len(UNITS) + unit
+        assert frame["sends"] == [(0, column, None), (1, column, None)]  # every rank, into one collective
+        if call["op"].startswith("all_gather"):
+            assert call["bytes"] == gathered[names[unit]] and [row[unit] for row in frame["held"]] == ["whole"] * 2
+    assert [frame["unit"] for frame in frames[1:] if frame["op"].startswith("all_gather")].count(0) == 2
+    assert frames[-1]["held"] == [
+        ["rows 0-7", "rows 0-3", "0+1\nrows 0-7", "0+1\nrows 0-3"],
+        ["rows 8-15", "rows 4-7", "0+1\nrows 8-15", "0+1\nrows 4-7"],
+    ]
+    fig = plots.plot_fsdp_unit_steps(runs[0].calls, UNITS, 2, caption="traced")
+    outlined = [p for ax in fig.axes for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
+    assert len(outlined) == 2 * len(runs[0].calls) and "traced" in fig._suptitle.get_text()
+    matplotlib.pyplot.close(fig)
+
+
+def test_an_all_gather_that_matches_no_unit_is_refused():
+    with pytest.raises(ValueError, match="matches no unit"):
+        plots.fsdp_unit_frames([{"op": "all_gather_single", "bytes": 100}], UNITS, 2)

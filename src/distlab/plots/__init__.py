@@ -12,7 +12,14 @@ from .collectives import LINE_STYLES, plot_busbw, plot_shard_collectives, plot_t
 from .common import jshtml, run_label
 from .ddp import plot_step_times, plot_timeline
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
-from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_per_rank
+from .memory import (
+    MEMORY_COLORS,
+    fsdp_unit_frames,
+    plot_fsdp_options,
+    plot_fsdp_unit_steps,
+    plot_memory_timeline,
+    plot_state_per_rank,
+)
 from .ring_animation import plot_holdings
 from .streams import (
     STREAM_COLORS,
@@ -49,6 +56,8 @@ __all__ = [
     "plot_memory_timeline",
     "plot_state_per_rank",
     "plot_fsdp_options",
+    "fsdp_unit_frames",
+    "plot_fsdp_unit_steps",
     "plot_holdings",
     "STREAM_COLORS",
     "plot_host_costs",
