@@ -22,11 +22,21 @@ from .collectives import (
 from .common import jshtml, run_label
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
-from .memory import MEMORY_COLORS, plot_fsdp_options, plot_memory_timeline, plot_state_bars, plot_state_per_rank
+from .memory import (
+    MEMORY_COLORS,
+    fsdp_unit_frames,
+    plot_fsdp_options,
+    plot_fsdp_unit_steps,
+    plot_memory_timeline,
+    plot_state_bars,
+    plot_state_per_rank,
+)
 from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
 from .streams import (
     STREAM_COLORS,
     animate_copy_compute_ratio,
+    copy_path_holdings,
+    plot_copy_paths,
     plot_host_costs,
     plot_speedup_curves,
     plot_stream_timeline,
@@ -65,6 +75,8 @@ __all__ = [
     "plot_state_per_rank",
     "plot_state_bars",
     "plot_fsdp_options",
+    "fsdp_unit_frames",
+    "plot_fsdp_unit_steps",
     "plot_holdings",
     "plot_ring_steps",
     "plot_sharding_bridge",
@@ -75,6 +87,8 @@ __all__ = [
     "plot_stream_timelines",
     "plot_speedup_curves",
     "animate_copy_compute_ratio",
+    "copy_path_holdings",
+    "plot_copy_paths",
     "SWEEP_COLORS",
     "plot_sweep",
     "plot_model_against_sweep",

@@ -1,5 +1,6 @@
 """Memory: a rank's bytes along a step by category, the ZeRO stages' state per rank as the model predicts it and
-as measured, FSDP2's options (the FSDP chapters).
+as measured, FSDP2's options, and what each rank holds of an FSDP2 unit collective by collective (the FSDP
+chapters).
 """
 
 from __future__ import annotations
@@ -160,3 +161,100 @@ def plot_state_bars(
     )
     axes[0].figure.tight_layout()
     return axes
+
+
+def _rows_of(rows: int, world: int, rank: int) -> str:
+    """The rows of a first dimension of ``rows`` that ``rank`` holds as ``torch.chunk`` cuts it (FSDP2's Shard(0))."""
+    piece = -(-rows // world)
+    first, last = rank * piece, min(rows, (rank + 1) * piece) - 1
+    return f"rows {first}-{last}" if first <= last else "no rows"
+
+
+def fsdp_unit_frames(calls: Sequence[dict], units: Sequence[tuple], world: int, bytes_per_value: int = 4) -> list:
+    """One FSDP2 step as its collectives ran, a frame per collective, for :func:`~distlab.plots.plot_holdings`.
+
+    ``calls``: one rank's traced calls in order (:func:`distlab.exercises.run_on_ranks`); ``units``: each unit's
+    name and parameter shapes, in forward order. An all-gather is matched to its unit by its bytes (every rank's
+    piece, each parameter's first dimension padded to a multiple of ``world``): its first is the forward's, its
+    second the backward's. A reduce-scatter is matched by its bytes (one rank's padded piece) where the trace holds
+    them, else to the units in the order backward gathered them, as FSDP2 reduces. Each frame is a dict: ``title``,
+    ``held[rank][column]`` after the collective, ``sends`` (the cells it filled, on every rank), ``op``, ``bytes``,
+    ``unit``; the columns are each unit's parameters, then each unit's reduced gradient. With resharding after
+    forward (FSDP2's default for every unit but the root) a unit is freed once its forward is done: at the next
+    unit's gather."""
+    import math
+
+    gathered = [
+        world * sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes) * bytes_per_value
+        for _, shapes in units
+    ]
+    shard = [g // world for g in gathered]
+    count = len(units)
+    rows = [[_rows_of(shapes[0][0], world, r) for _, shapes in units] for r in range(world)]
+    held = [rows[r][:] + [""] * count for r in range(world)]
+    frames = [{"title": "start: each rank holds its rows of every unit", "held": [h[:] for h in held], "sends": [],
+               "op": None, "bytes": None, "unit": None}]  # fmt: skip
+    gathers, backward, reduced = [0] * count, [], 0
+    for call in calls:
+        op, size = call["op"], call.get("bytes")
+        if op.startswith("all_gather"):
+            if size not in gathered:
+                raise ValueError(f"an all-gather of {size} B matches no unit ({gathered} B gathered)")
+            unit = gathered.index(size)
+            gathers[unit] += 1
+            if gathers[unit] == 1:  # forward: the unit before it was freed when its forward ended
+                for r in range(world):
+                    held[r][:count] = rows[r][:]
+                what = "gathered whole for its forward"
+            else:
+                backward.append(unit)
+                what = "gathered again for its backward"
+            for r in range(world):
+                held[r][unit] = "whole"
+            column = unit
+        elif op.startswith("reduce_scatter"):
+            unit = shard.index(size) if size in shard else backward[reduced]
+            reduced += 1
+            for r in range(world):
+                held[r][unit] = rows[r][unit]
+                held[r][count + unit] = "+".join(map(str, range(world))) + "\n" + rows[r][unit]
+            what = "gradient reduce-scattered: each rank keeps the sum over its rows; the whole unit freed"
+            column = count + unit
+        else:
+            continue
+        name = units[unit][0]
+        said = f"{size} B" if size else "its bytes not traced"
+        frames.append({"title": f"{len(frames)}. {op}, {said}: {name} {what}",
+                       "held": [h[:] for h in held], "sends": [(r, column, None) for r in range(world)],
+                       "op": op, "bytes": size, "unit": unit})  # fmt: skip
+    return frames
+
+
+def plot_fsdp_unit_steps(calls: Sequence[dict], units: Sequence[tuple], world: int, caption: str = "", columns=4):
+    """:func:`fsdp_unit_frames` drawn in the course's grammar, a panel per collective: rows are ranks, columns each
+    unit's parameters and reduced gradient; "whole" is a gathered unit, a red outline the cells the collective of
+    that panel filled. ``caption`` says what traced the calls."""
+    import textwrap
+
+    from .ring_animation import plot_holdings
+
+    frames = fsdp_unit_frames(calls, units, world)
+    across = min(columns, len(frames))
+    down = -(-len(frames) // across)
+    fig, axes = plt.subplots(down, across, figsize=(3.6 * across, 2.3 * down + 0.6), squeeze=False)
+    names = [f"{name}\nparams" for name, _ in units] + [f"{name}\ngradient" for name, _ in units]
+    shade = {"whole": 0.85, "": 0.0}
+    for frame in frames:
+        for row in frame["held"]:
+            for cell in row:
+                shade.setdefault(cell, 1.0 if "+" in cell else 0.25)
+    for ax, frame in zip(axes.flat, frames):
+        plot_holdings(ax, frame["held"], frame["sends"], columns=names, shade=shade)
+        ax.set_title("\n".join(textwrap.wrap(frame["title"], 48)), fontsize=7)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(frames) :]:
+        ax.axis("off")
+    text = "FSDP2's collectives in one step, in the order they ran" + (": " + caption if caption else "")
+    fig.suptitle("\n".join(textwrap.wrap(text, 170)), fontsize=8)
+    fig.tight_layout()
+    return fig

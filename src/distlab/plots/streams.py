@@ -216,3 +216,81 @@ def animate_copy_compute_ratio(inputs, ratios: Sequence[float], batch_bytes: int
     anim = mpl_animation.FuncAnimation(fig, draw, frames=len(ratios), interval=700, blit=False)
     plt.close(fig)
     return anim
+
+
+# -- a copy's path, chunk by chunk, in the course's picture grammar ---------------------------------------------
+
+
+def copy_path_holdings(path, t: float) -> tuple[list[str], list[list[str]], list[tuple[int, int, int]]]:
+    """Where each chunk of a :class:`~distlab.predict.stream_scenarios.CopyPath` is at time ``t``, as
+    :func:`~distlab.plots.plot_holdings` draws it: the rows (the places: the source, the pinned staging buffers
+    for a pageable source, GPU memory), ``held[row][chunk]`` (a label, or "" for nothing) and the sends at ``t``,
+    ``(row, chunk, to_row)``: a host staging copy or a DMA that is running then."""
+    source = "pinned RAM" if path.pinned else "pageable RAM"
+    rows = [source, "GPU memory"] if path.pinned else [source, "pinned staging\n(driver's)", "GPU memory"]
+    gpu = len(rows) - 1
+    held = [[f"c{k}" for k in range(len(path.chunks))]] + [["" for _ in path.chunks] for _ in rows[1:]]
+    sends = []
+    for k, ((start, end), staged) in enumerate(zip(path.sent, path.staged)):
+        if staged is not None:
+            if staged[0] <= t < staged[1]:
+                sends.append((0, k, 1))  # the host thread copies chunk k into its staging buffer
+            if staged[0] <= t < end:  # in its buffer from the moment the host starts filling it until it is sent
+                held[1][k] = f"c{k}: buf {path.slots[k]}"
+        if end <= t:
+            held[gpu][k] = f"c{k}"
+        elif start <= t:
+            sends.append((gpu - 1, k, gpu))  # the copy engine reads chunk k over PCIe
+    return rows, held, sends
+
+
+def plot_copy_paths(inputs, nbytes: int = 8 << 20, caption: str = ""):
+    """The idea of pinned memory in one picture, predicted by the stream model (:func:`copy_path`): a pageable
+    blocking copy (the host thread stages each chunk through two pinned buffers and is blocked until the last
+    lands) above a pinned ``non_blocking`` one (one DMA; the call returns at once). Each row: where the chunks
+    are at one moment (the course's grammar: a red outline and arrow is a copy running then), beside the model's
+    timeline of the whole copy with that moment marked."""
+    import textwrap
+
+    from ..predict.stream_scenarios import copy_path
+    from .ring_animation import plot_holdings
+
+    paths = [
+        copy_path(inputs, nbytes, pinned=False, non_blocking=False),
+        copy_path(inputs, nbytes, pinned=True, non_blocking=True),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 5.6), gridspec_kw={"width_ratios": [1, 1.5]})
+    span = max(p.timeline.end for p in paths) * 1e3
+    shade = {"": 0.0, **{f"c{k}": 0.55 for k in range(len(paths[0].chunks))}}
+    for (left, right), path in zip(axes, paths):
+        middle = path.sent[min(1, len(path.sent) - 1)]
+        t = (middle[0] + middle[1]) / 2  # a moment with the pipeline full: chunk 1 on the wire
+        rows, held, sends = copy_path_holdings(path, t)
+        shade.update({label: 0.35 for row in held for label in row if "buf" in label})
+        plot_holdings(
+            left,
+            held,
+            sends,
+            columns=[f"{c >> 20} MiB" if c >= 1 << 20 else f"{c >> 10} KiB" for c in path.chunks],
+            shade=shade,
+        )
+        left.set_yticks(left.get_yticks(), rows, fontsize=8)
+        blocked = path.call.host_blocked_s * 1e3
+        how = (
+            "pageable, blocking `.to('cuda')`: the host thread stages every chunk, then waits"
+            if not path.pinned
+            else "pinned, `non_blocking=True`: one DMA reads the source; the call returns"
+        )
+        left.set_title(f"{how}\nat {t * 1e3:.3f} ms (red: a copy running then)", fontsize=8)
+        path.timeline.title = f"the host is held {blocked:.3f} ms; the copy ends at {path.call.end * 1e3:.3f} ms" + (
+            "" if path.pinned else " (purple: staging, grey: blocked)"
+        )
+        plot_stream_timeline(path.timeline, ax=right, xlim=span)
+        right.axvline(t * 1e3, color="tab:red", lw=1, ls="--")
+    axes[-1][1].set_xlabel("ms (predicted)")
+    text = f"predicted by the stream model for one {nbytes >> 20} MiB host-to-device copy" + (
+        "; inputs: " + caption if caption else ""
+    )
+    fig.suptitle("\n".join(textwrap.wrap(text, 150)), fontsize=8)
+    fig.tight_layout()
+    return axes

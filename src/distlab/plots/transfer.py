@@ -55,9 +55,12 @@ def plot_overlap_timeline(record: dict, rank: int = 0, axes=None):
     return axes
 
 
-def plot_measured_vs_predicted_bandwidth(record: dict, predicted: Sequence[dict], rank: int = 0, caption: str = ""):
+def plot_measured_vs_predicted_bandwidth(
+    record: dict, predicted: Sequence[dict], rank: int = 0, caption: str = "", kind: str = "predicted"
+):
     """Host-to-device GB/s (left) and the time the call blocked the host (right) against
-    copy size: a GPU result's measurements as markers, the model's predictions as lines."""
+    copy size: a GPU result's measurements as markers, the model's predictions as lines. ``kind`` names the lines:
+    "predicted", or "fit" where the model's inputs came from the very copies drawn (in-sample)."""
     import textwrap
 
     _, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -83,7 +86,7 @@ def plot_measured_vs_predicted_bandwidth(record: dict, predicted: Sequence[dict]
                 color=color,
                 alpha=0.6,
                 lw=1.2,
-                label=f"{mode}: predicted",
+                label=f"{mode}: {kind}",
             )
     axes[0].set(xscale="log", xlabel="bytes per copy", ylabel="GB/s (CUDA events)", title="host to device")
     axes[1].set(
@@ -97,7 +100,8 @@ def plot_measured_vs_predicted_bandwidth(record: dict, predicted: Sequence[dict]
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=6, ncol=2)
     head = f"rank {rank}: {measured['gpu']} - measured on {hardware_label(record['environment'])}"
-    text = head + ("; lines predicted by the model: " + caption if caption else "")
+    lines = "lines predicted by the model: " if kind == "predicted" else f"lines: the model's {kind}, "
+    text = head + ("; " + lines + caption if caption else "")
     axes[0].figure.suptitle("\n".join(textwrap.wrap(text, 160)), fontsize=8)
     axes[0].figure.tight_layout()
     return axes
@@ -107,7 +111,8 @@ def plot_transfer_against_model(record: dict, rank: int = 0, host: dict | None =
     """A GPU result of :mod:`distlab.bench.transfer` next to the stream model's predictions from
     inputs measured in that same result (and ``host``, a :mod:`distlab.bench.host` result of the same machine
     and run, when there is one): the figures, and a Markdown summary that labels every number measured or
-    predicted."""
+    predicted. The bandwidth lines are a fit: the model's inputs come from the copies they are drawn against
+    (:func:`distlab.predict.stream_results.bandwidth_table` adds each size left out of its own fit)."""
     from ..predict import stream_results
 
     prediction = stream_results.predict_transfer_result(record, rank, host)
@@ -115,9 +120,15 @@ def plot_transfer_against_model(record: dict, rank: int = 0, host: dict | None =
     if prediction is None:
         return [], f"*{measured_on}: this result holds no host-to-device bandwidth rows to compare with.*"
     inputs = prediction["inputs"]
-    figures = [plot_measured_vs_predicted_bandwidth(record, prediction["bandwidth"], rank, inputs.describe())[0].figure]
+    caption = "in-sample, its inputs found on these very copies: " + inputs.describe()
+    axes = plot_measured_vs_predicted_bandwidth(record, prediction["bandwidth"], rank, caption, kind="fit")
+    figures = [axes[0].figure]
     gpu = record["metrics"]["ranks"][rank]
-    lines = [f"**{gpu['gpu']}, rank {rank}** (measured on {measured_on}; predicted from: {inputs.describe()})", ""]
+    lines = [
+        f"**{gpu['gpu']}, rank {rank}** (measured on {measured_on}; the model's inputs, found on this same run: "
+        f"{inputs.describe()})",
+        "",
+    ]
     if "overlap" in prediction:
         o = prediction["overlap"]
         figures.append(plot_overlap_timeline(record, rank)[0].figure)

@@ -1,9 +1,11 @@
 """The stream model (:mod:`.streams`) fed from result files: its inputs from the host benchmark and the
-transfer benchmark, and its prediction of each transfer result, mode by mode.
+transfer benchmark, and its prediction of each transfer result, mode by mode, fitted on the whole run and with
+each copy size left out of its own fit (:func:`leave_one_out_inputs`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
@@ -127,49 +129,84 @@ def without_host_terms(inputs: Inputs) -> Inputs:
     return replace(inputs, sync_s=0.0, stage_dram_GBps=None, cache_bytes=None)
 
 
+def without_size(record: dict, size: int, rank: int = 0) -> dict:
+    """A copy of a GPU transfer result with everything ``rank`` measured at ``size`` bytes taken out: its copies
+    in both directions and its ``pin_memory()``/``clone()`` timing (which places the cache threshold). What is left
+    is what :func:`leave_one_out_inputs` may fit on."""
+    out = copy.deepcopy(record)
+    measured = out["metrics"]["ranks"][rank]
+    measured["bandwidth"] = [r for r in measured.get("bandwidth", []) if r["bytes"] != size]
+    if measured.get("pinning_cost"):
+        measured["pinning_cost"] = [r for r in measured["pinning_cost"] if r["bytes"] != size]
+    return out
+
+
+def leave_one_out_inputs(record: dict, size: int, rank: int = 0, host: dict | None = None) -> Inputs | None:
+    """The model's inputs found on every copy size of the run but ``size`` (:func:`without_size`): the link rate,
+    the call and copy latency, the wake-up after a wait and the cache threshold, none of them from a copy of
+    ``size``. The host's staging rates come from :mod:`distlab.bench.host`, a separate experiment, and stay."""
+    return inputs_from_transfer_result(without_size(record, size, rank), rank, host)
+
+
 def bandwidth_table(record: dict, rank: int = 0, host: dict | None = None) -> list[dict]:
-    """Each host-to-device row of a GPU transfer result, measured, next to the model's prediction without
-    (``before_GBps``) and with (``after_GBps``) the wake-up and the DRAM staging rate; errors are predicted
-    over measured, less one. Inputs from :func:`inputs_from_transfer_result` (``host`` as there)."""
+    """Each host-to-device row of a GPU transfer result, measured, next to three predictions of the model; errors
+    are predicted over measured, less one.
+
+    * ``before``: fitted on the whole run (:func:`inputs_from_transfer_result`, ``host`` as there), without the
+      wake-up after a wait and the DRAM staging rate (:func:`without_host_terms`);
+    * ``after``: fitted on the whole run, with both: in-sample, a fit of the very copies it is compared with;
+    * ``held_out``: the same model with its inputs found on the other copy sizes only
+      (:func:`leave_one_out_inputs`): the error on a copy it was not fitted to."""
     inputs = inputs_from_transfer_result(record, rank, host)
     if inputs is None or math.isnan(inputs.stage_GBps):
         return []
-    sizes = sorted({r["bytes"] for r in record["metrics"]["ranks"][rank]["bandwidth"]})
+    measured = [r for r in record["metrics"]["ranks"][rank]["bandwidth"] if r["direction"] == "h2d"]
+    sizes = sorted({r["bytes"] for r in measured})
     guess = {
         key: {(r["bytes"], r["mode"]): r["GBps"] for r in predicted_bandwidth(model, sizes)}
         for key, model in (("before", without_host_terms(inputs)), ("after", inputs))
     }
+    guess["held_out"] = {}
+    for size in sizes:
+        model = leave_one_out_inputs(record, size, rank, host)
+        if model is not None:
+            guess["held_out"].update({(r["bytes"], r["mode"]): r["GBps"] for r in predicted_bandwidth(model, [size])})
     out = []
-    for row in record["metrics"]["ranks"][rank]["bandwidth"]:
-        if row["direction"] != "h2d":
-            continue
+    for row in measured:
         point = (row["bytes"], row["mode"])
-        before, after = guess["before"][point], guess["after"][point]
-        out.append(
-            {
-                "bytes": row["bytes"],
-                "mode": row["mode"],
-                "measured_GBps": row["GBps"],
-                "before_GBps": before,
-                "after_GBps": after,
-                "before_error": before / row["GBps"] - 1,
-                "after_error": after / row["GBps"] - 1,
-            }
-        )
+        line = {"bytes": row["bytes"], "mode": row["mode"], "measured_GBps": row["GBps"]}
+        for key in ("before", "after", "held_out"):
+            if point in guess[key]:
+                line[f"{key}_GBps"] = guess[key][point]
+                line[f"{key}_error"] = guess[key][point] / row["GBps"] - 1
+        out.append(line)
     return out
 
 
+def error_summary(rows: list[dict], key: str, at_least: int = 0) -> dict:
+    """The ``key`` errors (``before``, ``after``, ``held_out``) of :func:`bandwidth_table`'s rows of ``at_least``
+    bytes: how many, the mean and the largest magnitude, and the row with the largest."""
+    found = [r for r in rows if r["bytes"] >= at_least and f"{key}_error" in r]
+    if not found:
+        return {"rows": 0, "mean_abs": math.nan, "max_abs": math.nan, "worst": None}
+    worst = max(found, key=lambda r: abs(r[f"{key}_error"]))
+    mean = sum(abs(r[f"{key}_error"]) for r in found) / len(found)
+    return {"rows": len(found), "mean_abs": mean, "max_abs": abs(worst[f"{key}_error"]), "worst": worst}
+
+
 def markdown_table(rows: list[dict]) -> str:
-    """:func:`bandwidth_table`'s rows as a Markdown table."""
+    """:func:`bandwidth_table`'s rows as a Markdown table: measured, the two fits, and the size left out."""
     size = lambda n: f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    cell = lambda r, key: f"{r[key + '_GBps']:.2f} | {r[key + '_error']:+.0%}" if key + "_GBps" in r else "- | -"
     lines = [
-        "| size | mode | measured GB/s | predicted before | error | predicted after | error |",
-        "|---|---|---|---|---|---|---|",
+        "| size | mode | measured GB/s | fit without the two terms | error | fit with them | error | "
+        "size left out of the fit | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {size(r['bytes'])} | {r['mode']} | {r['measured_GBps']:.2f} | {r['before_GBps']:.2f} | "
-            f"{r['before_error']:+.0%} | {r['after_GBps']:.2f} | {r['after_error']:+.0%} |"
+            f"| {size(r['bytes'])} | {r['mode']} | {r['measured_GBps']:.2f} | {cell(r, 'before')} | "
+            f"{cell(r, 'after')} | {cell(r, 'held_out')} |"
         )
     return "\n".join(lines)
 

@@ -1,10 +1,11 @@
-"""Scenarios of the stream model (:mod:`.streams`): the training loop's input pipelines, one copy, the
-D2H hazard, and the predictions the chapter draws from them (speed-ups, predicted bandwidth).
+"""Scenarios of the stream model (:mod:`.streams`): the training loop's input pipelines, one copy and its path
+chunk by chunk, the D2H hazard, and the predictions the chapter draws from them (speed-ups, predicted bandwidth).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .streams import DEFAULT, Call, Inputs, StreamModel, Timeline
 
@@ -134,6 +135,65 @@ def single_copy(inputs: Inputs, nbytes: int, *, pinned: bool, non_blocking: bool
     m = StreamModel(inputs)
     copy = m.copy_h2d if direction == "h2d" else m.copy_d2h
     return copy("copy", nbytes, pinned=pinned, non_blocking=non_blocking)
+
+
+@dataclass(frozen=True)
+class CopyPath:
+    """One host-to-device copy on an idle GPU, chunk by chunk: when the host thread staged each chunk into a pinned
+    buffer (None from pinned memory: nothing is staged) and when the copy engine sent it, in seconds."""
+
+    pinned: bool
+    non_blocking: bool
+    nbytes: int
+    chunk_bytes: int
+    chunks: tuple[int, ...]
+    """The bytes of each piece the picture follows: the staging chunks, or, from pinned memory, the same cut of
+    a source that one DMA sends whole."""
+    staged: tuple[tuple[float, float] | None, ...]
+    sent: tuple[tuple[float, float], ...]
+    slots: tuple[int | None, ...]
+    """The staging buffer each chunk went through (None from pinned memory)."""
+    call: Call
+    timeline: Timeline
+
+
+def copy_path(inputs: Inputs, nbytes: int, *, pinned: bool, non_blocking: bool) -> CopyPath:
+    """:func:`single_copy` with its path: from pageable memory the model's staging intervals on the host lane, cut
+    into the chunks they staged (each takes ``chunk / stage_rate``; a wait falls only between chunks), and the
+    engine's interval per chunk (the call's own device work); from pinned memory one DMA for the whole source."""
+    m = StreamModel(inputs)
+    call = m.copy_h2d("copy", nbytes, pinned=pinned, non_blocking=non_blocking)
+    timeline = m.timeline(
+        f"{'pinned' if pinned else 'pageable'}{', non_blocking' if non_blocking else ', blocking'}", {"copy": call}
+    )
+    step = inputs.chunk_bytes
+    chunks = tuple(min(step, nbytes - offset) for offset in range(0, max(nbytes, 1), step))
+    if pinned:
+        (dma,) = call.device
+        return CopyPath(
+            pinned,
+            non_blocking,
+            nbytes,
+            step,
+            chunks,
+            (None,) * len(chunks),
+            ((dma.start, dma.end),) * len(chunks),
+            (None,) * len(chunks),
+            call,
+            timeline,
+        )
+    rate = inputs.stage_rate(nbytes) * 1e9
+    bars = [(i.start, i.end) for i in timeline.on("host", "stage")]
+    staged, bar, at = [], 0, bars[0][0]
+    for size in chunks:
+        if at >= bars[bar][1] - 1e-12:  # this bar is used up: the next chunk starts the next one, after a wait
+            bar += 1
+            at = bars[bar][0]
+        staged.append((at, at + size / rate))
+        at += size / rate
+    slots = tuple(k % inputs.staging_chunks for k in range(len(chunks)))
+    sent = tuple((i.start, i.end) for i in call.device)
+    return CopyPath(pinned, non_blocking, nbytes, step, chunks, tuple(staged), sent, slots, call, timeline)
 
 
 def predicted_bandwidth(inputs: Inputs, sizes: Sequence[int], direction: str = "h2d") -> list[dict]:

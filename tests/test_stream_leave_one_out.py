@@ -1,0 +1,92 @@
+"""The copy model checked on copies it was not fitted to: each size of a GPU transfer result predicted from inputs
+found on the other sizes only (distlab.predict.stream_results.leave_one_out_inputs), as the pinned-memory chapter
+shows it next to the in-sample fit."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from distlab.gpu_report import schema
+from distlab.predict import stream_results
+from distlab.results import committed_results, read_result
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _committed_h200() -> tuple[dict, dict]:
+    """The committed H200 report's copies and the same machine's host benchmark, as the chapter reads them."""
+    for report in schema.read_reports(committed_results("gpu")):
+        files = [report["folder"] / name for part in report["parts"] for name in part["files"]]
+        by_kind = {(r := read_result(path))["kind"]: r for path in files}
+        if "transfer" in by_kind and "H200" in by_kind["transfer"]["metrics"]["ranks"][0]["gpu"]:
+            return by_kind["transfer"], by_kind["host"]
+    pytest.fail("no committed H200 transfer result")
+
+
+def _moved(record: dict, size: int) -> dict:
+    """``record`` with everything measured at ``size`` changed: every copy three times slower, the clone ten."""
+    out = copy.deepcopy(record)
+    measured = out["metrics"]["ranks"][0]
+    for row in measured["bandwidth"]:
+        if row["bytes"] == size:
+            row.update(time_s=3 * row["time_s"], host_blocked_s=3 * row["host_blocked_s"], GBps=row["GBps"] / 3)
+    for row in measured["pinning_cost"]:
+        if row["bytes"] == size:
+            row["pageable_clone_s"] *= 10
+    return out
+
+
+def _predicted(rows: list[dict], key: str) -> dict:
+    return {(r["bytes"], r["mode"]): r[f"{key}_GBps"] for r in rows}
+
+
+def test_a_size_left_out_is_predicted_without_any_of_its_own_measurements():
+    """Change everything measured at one size: its held-out predictions must not move (a point in its own fit would
+    move them), while the in-sample fit of the extreme sizes, whose copies set the inputs, does."""
+    record, host = _committed_h200()
+    rows = stream_results.bandwidth_table(record, host=host)
+    sizes = sorted({r["bytes"] for r in rows})
+    assert len(sizes) >= 5 and all("held_out_GBps" in r for r in rows)
+    for size in sizes:
+        moved = stream_results.bandwidth_table(_moved(record, size), host=host)
+        mine = [(size, r["mode"]) for r in rows if r["bytes"] == size]
+        held, held_moved = _predicted(rows, "held_out"), _predicted(moved, "held_out")
+        assert [held_moved[p] for p in mine] == [held[p] for p in mine], size
+        fit, fit_moved = _predicted(rows, "after"), _predicted(moved, "after")
+        if size in (sizes[0], 16 * MiB, sizes[-1]):  # the call and latency; the cache threshold; the link rate
+            assert any(fit_moved[p] != pytest.approx(fit[p], rel=1e-3) for p in mine), size
+
+
+def test_without_size_takes_out_every_measurement_of_that_size_and_nothing_else():
+    record, _ = _committed_h200()
+    measured = record["metrics"]["ranks"][0]
+    left = stream_results.without_size(record, 16 * MiB)["metrics"]["ranks"][0]
+    assert {r["bytes"] for r in left["bandwidth"]} == {r["bytes"] for r in measured["bandwidth"]} - {16 * MiB}
+    assert len(left["bandwidth"]) == len(measured["bandwidth"]) - 8  # two directions, four modes
+    assert {r["bytes"] for r in left["pinning_cost"]} == {r["bytes"] for r in measured["pinning_cost"]} - {16 * MiB}
+    assert len(measured["bandwidth"]) == 56  # the record itself is untouched
+
+
+def test_the_h200_copies_left_out_miss_by_more_than_the_fit_and_the_chapter_says_so():
+    """The H200 run's figures: the fit (in-sample) and each size left out, as the chapter prints them."""
+    record, host = _committed_h200()
+    rows = stream_results.bandwidth_table(record, host=host)
+    fit = stream_results.error_summary(rows, "after", MiB)
+    held = stream_results.error_summary(rows, "held_out", MiB)
+    assert fit["rows"] == held["rows"] == 20
+    assert fit["mean_abs"] == pytest.approx(0.048, abs=0.005) and fit["max_abs"] == pytest.approx(0.17, abs=0.01)
+    assert held["mean_abs"] == pytest.approx(0.097, abs=0.005) and held["max_abs"] == pytest.approx(0.40, abs=0.01)
+    worst = held["worst"]
+    assert (worst["bytes"], worst["mode"]) == (16 * MiB, "pageable+non_blocking")
+    # left out, the 16 MiB clone no longer marks 16 MiB as cached: the threshold falls to 4 MiB
+    assert stream_results.leave_one_out_inputs(record, 16 * MiB, host=host).cache_bytes == 4 * MiB
+    assert stream_results.inputs_from_transfer_result(record, host=host).cache_bytes == 16 * MiB
+    table = stream_results.markdown_table(rows)
+    assert "size left out of the fit" in table and "| 16 MiB | pageable+non_blocking | 11.35 |" in table
+    page = (ROOT / "book" / "pinned_memory.md").read_text()
+    assert "found on, and so far checked only against, this one run" in " ".join(page.split())
+    assert "stream_results.error_summary(" in page and '"held_out"' in page and "**fit**" in page
