@@ -1,7 +1,7 @@
 """The notebook side of a check: ship the learner's function to real ranks, bound them in time, and answer.
 
-``check("ring_reduce_scatter", my_ring_reduce_scatter)`` starts the exercise's ranks (gloo on the CPU, or one
-rank per GPU with NCCL when the machine has two or more), each of which runs the learner's function against
+``check("ring_reduce_scatter", my_ring_reduce_scatter)`` starts the exercise's ranks (one NCCL rank per GPU on a
+machine with a GPU for each, else gloo ranks on the CPU), each of which runs the learner's function against
 the library's answer (:mod:`.trial`). It waits at most ``timeout_s`` for them, then stops whatever still runs,
 and prints one answer: right, or the first thing that went wrong, which rank, which case, how far off, and
 the mistake it looks like. It never prints a traceback from inside torch.
@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import DistlabError
@@ -26,7 +26,7 @@ from ..runtime import Placement, place
 from ..testing import RANK_START_METHOD, hosted_rendezvous
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
-from .trial import RECEIVES, rank_main
+from .trial import RECEIVES, SENDS, rank_main
 
 # FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
@@ -73,8 +73,34 @@ def wrapped(message: str, width: int = 100) -> str:
 
 def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> Verdict:
     """Run exercise ``name`` with ``fn`` on ``ranks`` ranks (the exercise's default when None) on ``device``
-    (``auto``: one rank per GPU with NCCL on a machine with two or more GPUs, else gloo on the CPU); every
-    rank must finish within ``timeout_s`` seconds of starting."""
+    (``auto``: one NCCL rank per GPU on a machine with a GPU for each rank, else gloo ranks on the CPU;
+    ``cuda`` without ``ranks``: one NCCL rank per GPU, fewer than the exercise's if the machine has fewer GPUs);
+    every rank must finish within ``timeout_s`` seconds of starting. A right answer checked on fewer ranks than
+    the exercise's ``min_ranks`` is checked again on that many gloo ranks on the CPU, where its typical mistakes
+    show."""
+    verdict = _grade_once(name, fn, ranks, device, timeout_s)
+    exercise = _known(name)
+    if not verdict.passed or exercise is None or verdict.ranks >= exercise.min_ranks:
+        return verdict
+    where = _where(verdict.device, verdict.ranks)
+    again = _grade_once(name, fn, exercise.min_ranks, "cpu", timeout_s)
+    why = f"on {where}, {exercise.min_ranks_why}" if exercise.min_ranks_why else f"{where} cannot tell them apart"
+    if again.passed:
+        said = f"{verdict.message}\n  Also right on {_where('cpu', exercise.min_ranks)} on the CPU, where its typical "
+        return replace(verdict, message=f"{said}mistakes show ({why}).")
+    head, _, rest = again.message.partition("\n")
+    said = f"It was right on the {where} asked for, but {why}: checked again on {_where('cpu', again.ranks)}."
+    return replace(again, message=f"{head}\n  {said}" + (f"\n{rest}" if rest else ""))
+
+
+def _known(name: str) -> Exercise | None:
+    try:
+        return get(name)
+    except DistlabError:
+        return None
+
+
+def _grade_once(name: str, fn, ranks: int | None, device: str, timeout_s: float) -> Verdict:
     try:
         exercise = get(name)
         if is_stub(fn):
@@ -116,15 +142,17 @@ def _not_filled(exercise: Exercise, fn) -> Verdict:
 
 
 def _placement(exercise: Exercise, ranks: int | None, device: str) -> Placement:
-    """Where the check runs, by :func:`distlab.runtime.place`: the exercise's ranks, one NCCL rank per GPU on a
-    machine with enough of them (fewer, one per GPU, when the learner did not ask for a number), gloo on the
-    CPU otherwise. A GPU rank is always an NCCL rank: the exercises send CUDA tensors point to point, which
-    gloo cannot."""
+    """Where the check runs, by :func:`distlab.runtime.place`: the exercise's ranks (or the learner's
+    ``ranks``), one NCCL rank per GPU on a machine with a GPU for each, gloo ranks on the CPU otherwise. ``auto``
+    never checks on fewer ranks than asked: on two GPUs a ring's rank + 1 and rank - 1 are one rank, and
+    torch.chunk cuts every length as segment_bounds does, so a two-rank check passes both mistakes. Only
+    ``device="cuda"`` without ``ranks`` takes one rank per GPU when there are fewer GPUs than ranks (at least
+    two). A GPU rank is always an NCCL rank: the exercises send CUDA tensors point to point, which gloo cannot."""
     if device not in ("auto", "cpu", "cuda"):
         raise DistlabError(f"device must be auto, cpu or cuda, not {device!r}")
     world = exercise.ranks if ranks is None else ranks
     backend = "nccl" if device == "cuda" else "auto"
-    return place(world, device, backend, short_of_gpus="shrink" if ranks is None else "cpu")
+    return place(world, device, backend, short_of_gpus="shrink" if device == "cuda" and ranks is None else "cpu")
 
 
 def _context():
@@ -380,6 +408,11 @@ COMMON_MISTAKES = {
         "a send or receive with no partner: every dist.send to rank k needs a dist.recv from this rank on "
         "rank k, of the same size, and the other way round."
     ),
+    "wrong_peer": (
+        "a receive names a rank that sends to another one (or a send a rank that receives from another): every "
+        "send from rank p to rank r needs a receive on rank r that names p. Work out who sends to whom, then name "
+        "the sender in each receive."
+    ),
 }
 
 
@@ -395,10 +428,37 @@ def _collective_counts_differ(traces: list[list[dict]]) -> bool:
     return any(c != counts[0] for c in counts)
 
 
+def _posted(calls: list[dict], ops: dict, peer: int) -> int:
+    return sum(1 for c in calls if c["op"] in ops and c.get("peer") == peer)
+
+
+def _sent_elsewhere(traces: list[list[dict]], rank: int, call: dict | None) -> str:
+    """When ``call``, the send or receive ``rank`` waits in, names a peer that posted no message for it but one
+    for another rank that no receive takes (or a receive from another rank that nothing fills): that, said."""
+    if call is None or call.get("peer") is None or not 0 <= call["peer"] < len(traces):
+        return ""
+    peer, receiving = call["peer"], call["op"] in RECEIVES
+    mine, theirs = (RECEIVES, SENDS) if receiving else (SENDS, RECEIVES)
+    if _posted(traces[peer], theirs, rank) >= _posted(traces[rank], mine, peer):
+        return ""  # the peer posted its half
+    others = []
+    for c in traces[peer]:
+        other = c.get("peer")
+        if c["op"] in theirs and other not in (None, rank) and 0 <= other < len(traces) and other not in others:
+            if _posted(traces[peer], theirs, other) > _posted(traces[other], mine, peer):
+                others.append(other)
+    if not others:
+        return ""
+    listed = " and ".join(f"rank {k}" for k in others)
+    if receiving:
+        return f"; rank {peer} sent to {listed}, not to rank {rank}"
+    return f"; rank {peer} receives from {listed}, not from rank {rank}"
+
+
 def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
     name = exercise.name
     counts = _collective_counts(traces)
-    lines, waited = [], []
+    lines, waited, elsewhere = [], [], []
     for rank, calls in enumerate(traces):
         report = reports[rank]
         failure = report.get("failure") if report else None
@@ -409,8 +469,10 @@ def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
                          f"(case {failure['case']!r})")  # fmt: skip
         else:
             place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
-            lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}")
+            other = _sent_elsewhere(traces, rank, _pending(calls))
+            lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}{other}")
             waited.append(rank)
+            elsewhere += [rank] if other else []
     pending = [
         _pending(calls) for rank, calls in enumerate(traces) if not (reports[rank] or {}).get("status") == "passed"
     ]
@@ -420,6 +482,8 @@ def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
             f"rank {r}: " + (", ".join(f"{op} x{k}" for op, k in c.items()) or "none") for r, c in enumerate(counts)
         )
         lines.append(f"collectives called: {said}")
+    elif elsewhere:
+        mistake = "wrong_peer"
     elif pending and all(p is not None and p["op"] in RECEIVES for p in pending):
         mistake = "all_receive_first"
     elif pending and all(p is not None and p["op"] == "send" for p in pending):
