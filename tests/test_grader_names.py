@@ -54,6 +54,14 @@ def test_the_learners_own_cuda_takes_one_rank_per_gpu(monkeypatch):
     assert (placement.ranks, placement.device, placement.backend) == (2, "cuda", "nccl")
 
 
+@pytest.mark.parametrize("gpus, said", [(0, "no usable CUDA GPU"), (1, "has 1 for 3 ranks: leave device out")])
+def test_cuda_the_machine_cannot_give_is_refused_in_the_words_check_takes(monkeypatch, gpus, said):
+    monkeypatch.setattr(runtime, "gpu_count", lambda: gpus)
+    verdict = grade("ring_all_reduce", get("ring_all_reduce").solution_function(), device="cuda")
+    assert verdict.status == "refused" and said in verdict.message, verdict.message
+    assert "--" not in verdict.message and "check on 3 gloo ranks on the CPU" in verdict.message, verdict.message
+
+
 @pytest.mark.parametrize(
     "exercise, wrong, mistake",
     [

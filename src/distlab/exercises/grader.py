@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .. import runtime
 from ..errors import DistlabError
 from ..runtime import Placement, place
 from ..testing import RANK_START_METHOD, hosted_rendezvous
@@ -152,7 +153,18 @@ def _placement(exercise: Exercise, ranks: int | None, device: str) -> Placement:
         raise DistlabError(f"device must be auto, cpu or cuda, not {device!r}")
     world = exercise.ranks if ranks is None else ranks
     backend = "nccl" if device == "cuda" else "auto"
-    return place(world, device, backend, short_of_gpus="shrink" if device == "cuda" and ranks is None else "cpu")
+    try:
+        return place(world, device, backend, short_of_gpus="shrink" if device == "cuda" and ranks is None else "cpu")
+    except DistlabError:
+        if device != "cuda":
+            raise
+        gpus = runtime.gpu_count()  # place's refusal names command-line flags; a check takes keywords
+    leave = f"leave device out to check on {world} gloo ranks on the CPU"
+    if gpus == 0:
+        raise DistlabError(f'device="cuda" was asked for, but this machine has no usable CUDA GPU: {leave}')
+    fewer = f"pass ranks={gpus}, or " if gpus >= 2 else ""
+    raise DistlabError(f'device="cuda" runs one NCCL rank per GPU, and this machine has {gpus} for {world} ranks: '
+                       f"{fewer}{leave}")  # fmt: skip
 
 
 def _context():
