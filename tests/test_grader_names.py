@@ -14,6 +14,7 @@ from distlab.comm.collectives import segment_bounds
 from distlab.exercises import grade, grader
 from distlab.exercises.catalog import CHAPTERS, all_exercises, get
 from distlab.exercises.ring import _chunk_bounds
+from distlab.exercises.trial import sent_elsewhere
 from mistakes_ring import all_reduce_receives_from_the_right, reduce_scatter_with_chunk
 from test_exercises import STUCK_TIMEOUT_S
 
@@ -91,10 +92,10 @@ def test_a_send_to_a_rank_that_receives_from_another_is_named_from_the_trace():
         [{"op": "recv", "peer": 2, "n": 1}],
         [{"op": "send", "peer": 0, "n": 1}],
     ]
-    assert grader._sent_elsewhere(traces, 0, traces[0][0]) == "; rank 1 receives from rank 2, not from rank 0"
-    assert grader._sent_elsewhere(traces, 1, traces[1][0]) == "; rank 2 sent to rank 0, not to rank 1"
+    assert sent_elsewhere(traces, 0, traces[0][0]) == "; rank 1 receives from rank 2, not from rank 0"
+    assert sent_elsewhere(traces, 1, traces[1][0]) == "; rank 2 sent to rank 0, not to rank 1"
     matched = [[{"op": "send", "peer": 1, "n": 1}], [{"op": "recv", "peer": 0, "n": 1}]]
-    assert grader._sent_elsewhere(matched, 1, matched[1][0]) == ""
+    assert sent_elsewhere(matched, 1, matched[1][0]) == ""
 
 
 def test_a_tensor_changed_in_flight_is_seen_by_its_version_not_by_the_wire():

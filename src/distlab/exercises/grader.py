@@ -27,7 +27,7 @@ from ..runtime import Placement, place
 from ..testing import RANK_START_METHOD, hosted_rendezvous
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
-from .trial import RECEIVES, SENDS, rank_main
+from .trial import RECEIVES, rank_main, ranks_said, sent_elsewhere
 
 # FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
@@ -80,7 +80,7 @@ def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout
     the exercise's ``min_ranks`` is checked again on that many gloo ranks on the CPU, where its typical mistakes
     show."""
     verdict = _grade_once(name, fn, ranks, device, timeout_s)
-    exercise = _known(name)
+    exercise = all_exercises().get(name)
     if not verdict.passed or exercise is None or verdict.ranks >= exercise.min_ranks:
         return verdict
     where = _where(verdict.device, verdict.ranks)
@@ -92,13 +92,6 @@ def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout
     head, _, rest = again.message.partition("\n")
     said = f"It was right on the {where} asked for, but {why}: checked again on {_where('cpu', again.ranks)}."
     return replace(again, message=f"{head}\n  {said}" + (f"\n{rest}" if rest else ""))
-
-
-def _known(name: str) -> Exercise | None:
-    try:
-        return get(name)
-    except DistlabError:
-        return None
 
 
 def _grade_once(name: str, fn, ranks: int | None, device: str, timeout_s: float) -> Verdict:
@@ -359,7 +352,7 @@ def _verdict(exercise, reports, traces, died, world, device, ended: Ended) -> Ve
         # the first case that failed, on the rank whose answer tells the mistake apart if one does
         first = min(wrong, key=lambda f: (_case_index(present, f), not f["certain"], f["mistake"] is None, f["rank"]))
         others = sorted({f["rank"] for f in wrong} - {first["rank"]})
-        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} wrong too)" if others else ""
+        also = f" ({ranks_said(others)} wrong too)" if others else ""
         text = (
             f"✗ {name} ({where}), case {first['case']!r}: rank {first['rank']}'s {first['what']} is wrong{also}.\n"
             f"  {first['detail']}"
@@ -440,33 +433,6 @@ def _collective_counts_differ(traces: list[list[dict]]) -> bool:
     return any(c != counts[0] for c in counts)
 
 
-def _posted(calls: list[dict], ops: dict, peer: int) -> int:
-    return sum(1 for c in calls if c["op"] in ops and c.get("peer") == peer)
-
-
-def _sent_elsewhere(traces: list[list[dict]], rank: int, call: dict | None) -> str:
-    """When ``call``, the send or receive ``rank`` waits in, names a peer that posted no message for it but one
-    for another rank that no receive takes (or a receive from another rank that nothing fills): that, said."""
-    if call is None or call.get("peer") is None or not 0 <= call["peer"] < len(traces):
-        return ""
-    peer, receiving = call["peer"], call["op"] in RECEIVES
-    mine, theirs = (RECEIVES, SENDS) if receiving else (SENDS, RECEIVES)
-    if _posted(traces[peer], theirs, rank) >= _posted(traces[rank], mine, peer):
-        return ""  # the peer posted its half
-    others = []
-    for c in traces[peer]:
-        other = c.get("peer")
-        if c["op"] in theirs and other not in (None, rank) and 0 <= other < len(traces) and other not in others:
-            if _posted(traces[peer], theirs, other) > _posted(traces[other], mine, peer):
-                others.append(other)
-    if not others:
-        return ""
-    listed = " and ".join(f"rank {k}" for k in others)
-    if receiving:
-        return f"; rank {peer} sent to {listed}, not to rank {rank}"
-    return f"; rank {peer} receives from {listed}, not from rank {rank}"
-
-
 def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
     name = exercise.name
     counts = _collective_counts(traces)
@@ -481,7 +447,7 @@ def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
                          f"(case {failure['case']!r})")  # fmt: skip
         else:
             place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
-            other = _sent_elsewhere(traces, rank, _pending(calls))
+            other = sent_elsewhere(traces, rank, _pending(calls))
             lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}{other}")
             waited.append(rank)
             elsewhere += [rank] if other else []

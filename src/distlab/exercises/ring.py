@@ -14,7 +14,7 @@ import torch
 
 from ..comm.collectives import segment_bounds
 from .catalog import Exercise
-from .trial import Trial
+from .trial import Trial, ranks_said
 
 LENGTHS = (12, 10, 4)
 """Divides by 2, 3 and 4; does not divide by 3 or 4; leaves 1-element segments at 3 ranks and 4."""
@@ -57,13 +57,6 @@ def _ranks_left_out(got, datas: list[torch.Tensor], a: int, b: int) -> list[int]
     return None
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``rank 2``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
-
-
 def _nothing_added(t: Trial, left_out: list[int], tensor: torch.Tensor, version: int) -> None:
     """A segment that holds this rank's own values only, where no in-place op ever touched ``tensor``: what
     arrived was added into new tensors (``x = x + y``). A ring one hop short adds in place, into other segments."""
@@ -72,7 +65,7 @@ def _nothing_added(t: Trial, left_out: list[int], tensor: torch.Tensor, version:
         t.fail(
             "returned segment",
             f"it holds only rank {t.rank}'s own values, and nothing was ever added into `tensor` in place: what "
-            f"arrived from {_ranks(left_out)} never reached it",
+            f"arrived from {ranks_said(left_out)} never reached it",
             "nothing_added",
         )
 
@@ -212,7 +205,8 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
             left_out = _ranks_left_out(got, datas, a, b)
             if left_out:
                 _nothing_added(t, left_out, mine, version)
-                t.fail("returned segment", f"it holds the sum over every rank except {_ranks(left_out)}", "partial_sum")
+                said = f"it holds the sum over every rank except {ranks_said(left_out)}"
+                t.fail("returned segment", said, "partial_sum")
             _cut_differently(t, got, total, length, n, (r + 1) % n)
             _which_segment(t, got, mine, length, n, (r + 1) % n)
             t.expect_close(got, total[a:b], "returned segment", mistakes, _segment_locator(length, n, a))

@@ -396,6 +396,41 @@ def _filled(cell) -> bool:
     return True
 
 
+def ranks_said(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _posted(calls: list[dict], ops: dict, peer: int) -> int:
+    return sum(1 for c in calls if c["op"] in ops and c.get("peer") == peer)
+
+
+def sent_elsewhere(traces: list[list[dict]], rank: int, call: dict | None) -> str:
+    """Read from every rank's trace (the grader's, once the ranks have ended): when ``call``, the send or receive
+    ``rank`` waits in, names a peer that posted no message for it but one for another rank that no receive takes
+    (or a receive from another rank that nothing fills), that, said."""
+    if call is None or call.get("peer") is None or not 0 <= call["peer"] < len(traces):
+        return ""
+    peer, receiving = call["peer"], call["op"] in RECEIVES
+    mine, theirs = (RECEIVES, SENDS) if receiving else (SENDS, RECEIVES)
+    if _posted(traces[peer], theirs, rank) >= _posted(traces[rank], mine, peer):
+        return ""  # the peer posted its half
+    others = []
+    for c in traces[peer]:
+        other = c.get("peer")
+        if c["op"] in theirs and other not in (None, rank) and 0 <= other < len(traces) and other not in others:
+            if _posted(traces[peer], theirs, other) > _posted(traces[other], mine, peer):
+                others.append(other)
+    if not others:
+        return ""
+    listed = " and ".join(f"rank {k}" for k in others)
+    if receiving:
+        return f"; rank {peer} sent to {listed}, not to rank {rank}"
+    return f"; rank {peer} receives from {listed}, not from rank {rank}"
+
+
 def numbers_close(got, expected: float) -> bool:
     """A plain number (what the arithmetic exercises return) equal to ``expected`` but for rounding."""
     return isinstance(got, int | float) and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-15)
