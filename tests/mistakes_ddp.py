@@ -161,6 +161,116 @@ def shard_in_order(num_samples, world_size, rank, seed, epoch, drop_last):
     return order[: per_rank * world_size][rank::world_size]
 
 
+# The answers a fourth review wrote and graded (D1-D5): each must be named for what it did
+
+
+def average_twice(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            p.grad /= dist.get_world_size()
+
+
+def average_a_bucket_never_copied_back(model):
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+
+
+def overlap_divides_while_in_flight(model):
+    n, pending = dist.get_world_size(), []
+
+    def launch(p):
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+        p.grad /= n  # the all-reduce is still reading and writing p.grad
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        for work in pending:
+            work.wait()
+        pending.clear()
+
+    return finish
+
+
+def overlap_waits_for_the_previous(model):
+    n, pending = dist.get_world_size(), []
+
+    def launch(p):
+        if pending:
+            pending[-1].wait()  # "one at a time"
+        p.grad /= n
+        pending.append(dist.all_reduce(p.grad, async_op=True))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        for work in pending:
+            work.wait()
+        pending.clear()
+
+    return finish
+
+
+def overlap_finish_waits_on_a_copy(model):
+    n, state = dist.get_world_size(), {"pending": []}
+
+    def launch(p):
+        p.grad /= n
+        state["pending"].append(dist.all_reduce(p.grad, async_op=True))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+    waiting = list(state["pending"])  # copied now, while it is still empty
+
+    def finish():
+        for work in waiting:
+            work.wait()
+        state["pending"].clear()
+
+    return finish
+
+
+# Right answers written otherwise than the course's: each must pass (tests/test_grader_names.py)
+
+
+def average_with_the_avg_op(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def overlap_divides_after_the_wait(model):
+    n, pending = dist.get_world_size(), []
+
+    def launch(p):
+        pending.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(launch)
+
+    def finish():
+        for p, work in pending:
+            work.wait()
+            p.grad /= n
+        pending.clear()
+
+    return finish
+
+
+ALTERNATIVES = [
+    ("average_gradients", average_with_the_avg_op),
+    ("overlap_gradients", overlap_divides_after_the_wait),
+]
+
+
 MISTAKES = [
     ("average_gradients", average_forgets_to_divide, "summed", "3 times the average"),
     ("average_gradients", average_trips_on_frozen, "frozen_none_grad", "fc1.bias"),
@@ -168,11 +278,16 @@ MISTAKES = [
     ("average_gradients", average_the_parameters, "averaged_parameters", "the frozen one included"),
     ("average_gradients", average_a_copy, "local_gradient", "own micro-batch gradient"),
     ("overlap_gradients", overlap_after_backward, "after_backward", "no all-reduce started during backward"),
-    ("overlap_gradients", overlap_blocking, "blocking", "waited for inside its hook"),
+    ("overlap_gradients", overlap_blocking, "blocking", "waited for inside a hook"),
     ("overlap_gradients", overlap_hooks_frozen, "hooked_frozen", "requires_grad=False"),
     ("overlap_gradients", overlap_forgets_to_divide, "summed", "the sum"),
     ("overlap_gradients", overlap_never_waits, "never_waited", "without waiting for 3 of the 3 all-reduces"),
     ("overlap_gradients", overlap_tensor_hook, "reduced_a_copy", "own micro-batch gradient divided by 3"),
+    ("average_gradients", average_twice, "averaged_twice", "(3 all-reduce(s) with ReduceOp.AVG, then divided by 3)"),
+    ("average_gradients", average_a_bucket_never_copied_back, "local_gradient", "1 all-reduce(s) on other tensors"),
+    ("overlap_gradients", overlap_divides_while_in_flight, "changed_in_flight", "changed in place after their"),
+    ("overlap_gradients", overlap_waits_for_the_previous, "blocking", "2 of its 3 all-reduces returned"),
+    ("overlap_gradients", overlap_finish_waits_on_a_copy, "never_waited", "without waiting for 3 of the 3"),
     ("shard_indices", shard_ignores_rank, "same_on_every_rank", "every rank got the same"),
     ("shard_indices", shard_without_padding, "uneven_shards", "rank 2 got 3"),
     ("shard_indices", shard_ignores_epoch, "epoch_ignored", "epoch 0 and epoch 1"),

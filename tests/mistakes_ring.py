@@ -115,6 +115,122 @@ def all_reduce_into_a_copy(tensor):
     return summed
 
 
+# The answers a fourth review wrote and graded (R1-R5): each wrong one must be named for what it did
+
+
+def reduce_scatter_rebinds_the_sum(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank - hop) % n], arrived)
+        into = into + arrived  # a new tensor: the segment of `tensor` is left as it was
+    return segments[(rank + 1) % n]
+
+
+def all_gather_into_cloned_segments(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b].clone() for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        exchange(segments[(rank + 1 - hop) % n], segments[(rank - hop) % n])
+
+
+def reduce_scatter_receive_not_waited(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.zeros_like(into)
+        sending = dist.isend(segments[(rank - hop) % n], (rank + 1) % n)
+        dist.irecv(arrived, (rank - 1) % n)
+        sending.wait()
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
+def all_reduce_receives_from_the_right(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        ops = [
+            dist.P2POp(dist.isend, segments[(rank - hop) % n], (rank + 1) % n),
+            dist.P2POp(dist.irecv, arrived, (rank + 1) % n),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        into += arrived
+    for hop in range(n - 1):
+        exchange(segments[(rank + 1 - hop) % n], segments[(rank - hop) % n])
+
+
+def reduce_scatter_returns_a_clone(tensor):
+    return ring_reduce_scatter(tensor).clone()
+
+
+def all_reduce_on_a_copy(tensor):
+    summed = tensor.clone()
+    ring_reduce_scatter(summed)
+    ring_all_gather(summed)
+
+
+def all_reduce_rebinds_the_sum(tensor):
+    reduce_scatter_rebinds_the_sum(tensor)
+    ring_all_gather(tensor)
+
+
+# Right answers written otherwise than the course's: each must pass (tests/test_grader_names.py)
+
+
+def reduce_scatter_waits_each_request(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.zeros_like(into)
+        sending = dist.isend(segments[(rank - hop) % n], (rank + 1) % n)
+        receiving = dist.irecv(arrived, (rank - 1) % n)
+        receiving.wait()
+        sending.wait()
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
+def all_gather_receives_then_copies(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        arrived = torch.empty_like(segments[(rank - hop) % n])
+        exchange(segments[(rank + 1 - hop) % n], arrived)
+        segments[(rank - hop) % n].copy_(arrived)
+
+
+def all_reduce_blocking_recv(tensor):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        sending = dist.isend(segments[(rank - hop) % n], (rank + 1) % n)
+        dist.recv(arrived, (rank - 1) % n)
+        sending.wait()
+        into += arrived
+    for hop in range(n - 1):
+        sending = dist.isend(segments[(rank + 1 - hop) % n], (rank + 1) % n)
+        dist.recv(segments[(rank - hop) % n], (rank - 1) % n)
+        sending.wait()
+
+
+ALTERNATIVES = [
+    ("ring_reduce_scatter", reduce_scatter_returns_a_clone),
+    ("ring_reduce_scatter", reduce_scatter_waits_each_request),
+    ("ring_all_gather", all_gather_receives_then_copies),
+    ("ring_all_reduce", all_reduce_blocking_recv),
+]
+
+
 MISTAKES = [
     ("ring_reduce_scatter", reduce_scatter_keeps_own_segment, "segment_of_rank", "(rank + 1) % n"),
     ("ring_reduce_scatter", reduce_scatter_one_hop_short, "partial_sum", "except rank"),
@@ -128,4 +244,15 @@ MISTAKES = [
     ("ring_all_reduce", all_reduce_without_gather, "no_all_gather", "holds the full sum"),
     ("ring_all_reduce", all_reduce_mean, "averaged", "divided by the number of ranks"),
     ("ring_all_reduce", all_reduce_into_a_copy, "not_in_place", "returned a new tensor with the right values"),
+    ("ring_reduce_scatter", reduce_scatter_rebinds_the_sum, "nothing_added", "from ranks 1 and 2 never reached it"),
+    ("ring_reduce_scatter", reduce_scatter_receive_not_waited, "receive_not_waited", "were never waited for"),
+    ("ring_all_gather", all_gather_into_cloned_segments, "not_in_place", "never wrote into `tensor`"),
+    (
+        "ring_all_reduce",
+        all_reduce_receives_from_the_right,
+        "wrong_peer",
+        "rank 0 waited in irecv from rank 1 (its call 2); rank 1 sent to rank 2, not to rank 0",
+    ),
+    ("ring_all_reduce", all_reduce_on_a_copy, "not_in_place", "never wrote into `tensor`"),
+    ("ring_all_reduce", all_reduce_rebinds_the_sum, "nothing_added", "holds only rank 0's own values"),
 ]

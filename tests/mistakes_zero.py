@@ -186,12 +186,94 @@ def bytes_without_step_counter(num_params, strategy, world_size, precision):
     return _bytes(num_params, strategy, world_size, precision, per_value, STAGES, counter=0)
 
 
+# The answers a fourth review wrote and graded (Z1-Z6): each wrong one must be named for what it did
+
+
+def zero1_divides_again(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = (torch.zeros(size) if momentum is None else momentum) * beta + flat_grad[mine] / n
+    flat_params.copy_(all_gather_flat(flat_params[mine] - lr * momentum, flat_params.numel()))
+    return momentum
+
+
+def zero1_reduce_scatters_again(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    summed = reduce_scatter_flat(flat_grad.clone(), size)
+    momentum = (torch.zeros(size) if momentum is None else momentum) * beta + summed
+    flat_params.copy_(all_gather_flat(flat_params[mine] - lr * momentum, flat_params.numel()))
+    return momentum
+
+
+def zero1_broadcast_from_owners(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = (torch.zeros(size) if momentum is None else momentum) * beta + flat_grad[mine]
+    flat_params[mine] -= lr * momentum
+    for owner in range(n):
+        dist.broadcast(flat_params[owner * size : (owner + 1) * size], src=owner)
+    return momentum
+
+
+def zero1_momentum_late(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = torch.zeros(size) if momentum is None else momentum
+    stepped = flat_params[mine] - lr * (beta * momentum)
+    momentum = beta * momentum + flat_grad[mine]
+    flat_params.copy_(all_gather_flat(stepped, flat_params.numel()))
+    return momentum
+
+
+def zero1_gathers_before_stepping(flat_params, flat_grad, momentum, lr, beta):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = (torch.zeros(size) if momentum is None else momentum) * beta + flat_grad[mine]
+    flat_params.copy_(all_gather_flat(flat_params[mine].clone(), flat_params.numel()))
+    return momentum
+
+
+def unit_autograd_all_gather(shard, loss_fn):
+    import torch.distributed.nn.functional as dnn
+
+    leaf = shard.detach().requires_grad_(True)
+    loss_fn(torch.cat(dnn.all_gather(leaf))).backward()
+    return leaf.grad / dist.get_world_size()
+
+
+def unit_all_reduce_then_clone(shard, loss_fn):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    loss_fn(full).backward()
+    grad = full.grad / n
+    dist.all_reduce(grad)
+    return grad[rank * shard.numel() : (rank + 1) * shard.numel()].clone()
+
+
+# Right answers written otherwise than the course's: each must pass (tests/test_grader_names.py)
+ALTERNATIVES = [
+    ("zero1_step", zero1_broadcast_from_owners),
+    ("zero3_unit", unit_autograd_all_gather),
+]
+
+
 MISTAKES = [
     ("zero1_step", zero1_steps_whole_buffer, "state_not_sharded", "keeps the momentum of its own shard only"),
     ("zero1_step", zero1_ring_shard, "wrong_shard", "it is shard 1's"),
     ("zero1_step", zero1_without_all_gather, "no_all_gather", "still hold the values before the step"),
     ("zero1_step", zero1_new_tensor, "not_in_place", "its own shard 0"),
     ("zero1_step", zero1_all_reduces_zeroed_buffer, "all_reduced", "2(n-1)/n = 1.33 times the buffer's bytes"),
+    ("zero1_step", zero1_divides_again, "divided_again", "divided by 3: flat_grad was divided by 3 once more"),
+    ("zero1_step", zero1_reduce_scatters_again, "summed_again", "3 times this shard's momentum: a reduce-scatter"),
+    ("zero1_step", zero1_momentum_late, "momentum_late", "did not move at step 1 and moved by lr * beta * m at step 2"),
+    ("zero1_step", zero1_gathers_before_stepping, "not_stepped", "flat_params was written at each step"),
+    ("zero3_unit", unit_all_reduce_then_clone, "all_reduced", "it called dist.all_reduce"),
     ("zero2_shard_gradient", shard_summed, "summed", "the sum over the 3 ranks"),
     ("zero2_shard_gradient", shard_ring_offset, "wrong_shard", "it is shard 1"),
     ("zero2_shard_gradient", shard_whole_all_reduced, "whole_gradient", "it holds 11 values, the whole gradient's"),

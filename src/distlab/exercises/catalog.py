@@ -36,7 +36,14 @@ class Exercise:
     trial: Callable
     """``trial(t, fn)`` on every rank: run ``fn`` on cases and compare (see :class:`.trial.Trial`)."""
     ranks: int = 3
-    """Ranks it runs on by default (gloo on the CPU; on GPUs at most one per GPU)."""
+    """Ranks it runs on by default: one NCCL rank per GPU on a machine with that many GPUs, else gloo ranks on the
+    CPU (never fewer ranks unless the learner asks)."""
+    min_ranks: int = 1
+    """The fewest ranks on which its typical mistakes differ from a right answer (a ring's rank + 1 and rank - 1
+    are one rank on two). Checked on fewer, as a learner may ask, a right answer is checked again on this many
+    gloo ranks on the CPU."""
+    min_ranks_why: str = ""
+    """Why fewer ranks cannot tell its mistakes apart, said after "on 2 gloo ranks"."""
     mistakes: dict[str, str] = field(default_factory=dict)
     """Mistake name -> what it looks like and what to do: the hint a recognised wrong answer gets."""
     on_error: Callable[[dict], str | None] | None = None

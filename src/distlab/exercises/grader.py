@@ -1,7 +1,7 @@
 """The notebook side of a check: ship the learner's function to real ranks, bound them in time, and answer.
 
-``check("ring_reduce_scatter", my_ring_reduce_scatter)`` starts the exercise's ranks (gloo on the CPU, or one
-rank per GPU with NCCL when the machine has two or more), each of which runs the learner's function against
+``check("ring_reduce_scatter", my_ring_reduce_scatter)`` starts the exercise's ranks (one NCCL rank per GPU on a
+machine with a GPU for each, else gloo ranks on the CPU), each of which runs the learner's function against
 the library's answer (:mod:`.trial`). It waits at most ``timeout_s`` for them, then stops whatever still runs,
 and prints one answer: right, or the first thing that went wrong, which rank, which case, how far off, and
 the mistake it looks like. It never prints a traceback from inside torch.
@@ -18,15 +18,16 @@ import tempfile
 import textwrap
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .. import runtime
 from ..errors import DistlabError
 from ..runtime import Placement, place
 from ..testing import RANK_START_METHOD, hosted_rendezvous
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
-from .trial import RECEIVES, rank_main
+from .trial import RECEIVES, rank_main, ranks_said, sent_elsewhere
 
 # FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
@@ -73,8 +74,27 @@ def wrapped(message: str, width: int = 100) -> str:
 
 def grade(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> Verdict:
     """Run exercise ``name`` with ``fn`` on ``ranks`` ranks (the exercise's default when None) on ``device``
-    (``auto``: one rank per GPU with NCCL on a machine with two or more GPUs, else gloo on the CPU); every
-    rank must finish within ``timeout_s`` seconds of starting."""
+    (``auto``: one NCCL rank per GPU on a machine with a GPU for each rank, else gloo ranks on the CPU;
+    ``cuda`` without ``ranks``: one NCCL rank per GPU, fewer than the exercise's if the machine has fewer GPUs);
+    every rank must finish within ``timeout_s`` seconds of starting. A right answer checked on fewer ranks than
+    the exercise's ``min_ranks`` is checked again on that many gloo ranks on the CPU, where its typical mistakes
+    show."""
+    verdict = _grade_once(name, fn, ranks, device, timeout_s)
+    exercise = all_exercises().get(name)
+    if not verdict.passed or exercise is None or verdict.ranks >= exercise.min_ranks:
+        return verdict
+    where = _where(verdict.device, verdict.ranks)
+    again = _grade_once(name, fn, exercise.min_ranks, "cpu", timeout_s)
+    why = f"on {where}, {exercise.min_ranks_why}" if exercise.min_ranks_why else f"{where} cannot tell them apart"
+    if again.passed:
+        said = f"{verdict.message}\n  Also right on {_where('cpu', exercise.min_ranks)} on the CPU, where its typical "
+        return replace(verdict, message=f"{said}mistakes show ({why}).")
+    head, _, rest = again.message.partition("\n")
+    said = f"It was right on the {where} asked for, but {why}: checked again on {_where('cpu', again.ranks)}."
+    return replace(again, message=f"{head}\n  {said}" + (f"\n{rest}" if rest else ""))
+
+
+def _grade_once(name: str, fn, ranks: int | None, device: str, timeout_s: float) -> Verdict:
     try:
         exercise = get(name)
         if is_stub(fn):
@@ -116,15 +136,28 @@ def _not_filled(exercise: Exercise, fn) -> Verdict:
 
 
 def _placement(exercise: Exercise, ranks: int | None, device: str) -> Placement:
-    """Where the check runs, by :func:`distlab.runtime.place`: the exercise's ranks, one NCCL rank per GPU on a
-    machine with enough of them (fewer, one per GPU, when the learner did not ask for a number), gloo on the
-    CPU otherwise. A GPU rank is always an NCCL rank: the exercises send CUDA tensors point to point, which
-    gloo cannot."""
+    """Where the check runs, by :func:`distlab.runtime.place`: the exercise's ranks (or the learner's
+    ``ranks``), one NCCL rank per GPU on a machine with a GPU for each, gloo ranks on the CPU otherwise. ``auto``
+    never checks on fewer ranks than asked: on two GPUs a ring's rank + 1 and rank - 1 are one rank, and
+    torch.chunk cuts every length as segment_bounds does, so a two-rank check passes both mistakes. Only
+    ``device="cuda"`` without ``ranks`` takes one rank per GPU when there are fewer GPUs than ranks (at least
+    two). A GPU rank is always an NCCL rank: the exercises send CUDA tensors point to point, which gloo cannot."""
     if device not in ("auto", "cpu", "cuda"):
         raise DistlabError(f"device must be auto, cpu or cuda, not {device!r}")
     world = exercise.ranks if ranks is None else ranks
     backend = "nccl" if device == "cuda" else "auto"
-    return place(world, device, backend, short_of_gpus="shrink" if ranks is None else "cpu")
+    try:
+        return place(world, device, backend, short_of_gpus="shrink" if device == "cuda" and ranks is None else "cpu")
+    except DistlabError:
+        if device != "cuda":
+            raise
+        gpus = runtime.gpu_count()  # place's refusal names command-line flags; a check takes keywords
+    leave = f"leave device out to check on {world} gloo ranks on the CPU"
+    if gpus == 0:
+        raise DistlabError(f'device="cuda" was asked for, but this machine has no usable CUDA GPU: {leave}')
+    fewer = f"pass ranks={gpus}, or " if gpus >= 2 else ""
+    raise DistlabError(f'device="cuda" runs one NCCL rank per GPU, and this machine has {gpus} for {world} ranks: '
+                       f"{fewer}{leave}")  # fmt: skip
 
 
 def _context():
@@ -319,7 +352,7 @@ def _verdict(exercise, reports, traces, died, world, device, ended: Ended) -> Ve
         # the first case that failed, on the rank whose answer tells the mistake apart if one does
         first = min(wrong, key=lambda f: (_case_index(present, f), not f["certain"], f["mistake"] is None, f["rank"]))
         others = sorted({f["rank"] for f in wrong} - {first["rank"]})
-        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} wrong too)" if others else ""
+        also = f" ({ranks_said(others)} wrong too)" if others else ""
         text = (
             f"✗ {name} ({where}), case {first['case']!r}: rank {first['rank']}'s {first['what']} is wrong{also}.\n"
             f"  {first['detail']}"
@@ -380,6 +413,11 @@ COMMON_MISTAKES = {
         "a send or receive with no partner: every dist.send to rank k needs a dist.recv from this rank on "
         "rank k, of the same size, and the other way round."
     ),
+    "wrong_peer": (
+        "a receive names a rank that sends to another one (or a send a rank that receives from another): every "
+        "send from rank p to rank r needs a receive on rank r that names p. Work out who sends to whom, then name "
+        "the sender in each receive."
+    ),
 }
 
 
@@ -398,7 +436,7 @@ def _collective_counts_differ(traces: list[list[dict]]) -> bool:
 def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
     name = exercise.name
     counts = _collective_counts(traces)
-    lines, waited = [], []
+    lines, waited, elsewhere = [], [], []
     for rank, calls in enumerate(traces):
         report = reports[rank]
         failure = report.get("failure") if report else None
@@ -409,8 +447,10 @@ def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
                          f"(case {failure['case']!r})")  # fmt: skip
         else:
             place = f", at line {failure['line']}: {failure['code']}" if failure and failure.get("line") else ""
-            lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}")
+            other = sent_elsewhere(traces, rank, _pending(calls))
+            lines.append(f"rank {rank} waited in {_describe(_pending(calls))}{place}{other}")
             waited.append(rank)
+            elsewhere += [rank] if other else []
     pending = [
         _pending(calls) for rank, calls in enumerate(traces) if not (reports[rank] or {}).get("status") == "passed"
     ]
@@ -420,6 +460,8 @@ def _stuck(exercise, reports, traces, where, ended: Ended, verdict) -> Verdict:
             f"rank {r}: " + (", ".join(f"{op} x{k}" for op, k in c.items()) or "none") for r, c in enumerate(counts)
         )
         lines.append(f"collectives called: {said}")
+    elif elsewhere:
+        mistake = "wrong_peer"
     elif pending and all(p is not None and p["op"] in RECEIVES for p in pending):
         mistake = "all_receive_first"
     elif pending and all(p is not None and p["op"] == "send" for p in pending):

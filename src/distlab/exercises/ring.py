@@ -14,7 +14,7 @@ import torch
 
 from ..comm.collectives import segment_bounds
 from .catalog import Exercise
-from .trial import Trial
+from .trial import Trial, ranks_said
 
 LENGTHS = (12, 10, 4)
 """Divides by 2, 3 and 4; does not divide by 3 or 4; leaves 1-element segments at 3 ranks and 4."""
@@ -43,16 +43,64 @@ def _only_p2p(t: Trial, since: int, what: str) -> None:
         t.fail(what, f"it called dist.{used[0]}", "used_collective")
 
 
-def _ranks_left_out(got, datas: list[torch.Tensor], a: int, b: int) -> str | None:
+def _ranks_left_out(got, datas: list[torch.Tensor], a: int, b: int) -> list[int] | None:
     """The ranks whose values a wrong segment lacks, when it is exactly the sum over the others."""
     if not isinstance(got, torch.Tensor) or got.shape != datas[0][a:b].shape or b == a:
         return None
-    n = len(datas)
+    n, got = len(datas), got.detach().cpu().float()
+    if torch.equal(got, sum(d[a:b] for d in datas)):
+        return None  # right, even where some ranks' values happen to sum to zero
     for k in range(1, n):
         for kept in combinations(range(n), k):
-            if torch.equal(got.detach().cpu().float(), sum(datas[r][a:b] for r in kept)):
-                return ", ".join(str(r) for r in range(n) if r not in kept)
+            if torch.equal(got, sum(datas[r][a:b] for r in kept)):
+                return [r for r in range(n) if r not in kept]
     return None
+
+
+def _nothing_added(t: Trial, left_out: list[int], tensor: torch.Tensor, version: int) -> None:
+    """A segment that holds this rank's own values only, where no in-place op ever touched ``tensor``: what
+    arrived was added into new tensors (``x = x + y``). A ring one hop short adds in place, into other segments."""
+    others = [r for r in range(t.world_size) if r != t.rank]
+    if sorted(left_out) == others and tensor._version == version:
+        t.fail(
+            "returned segment",
+            f"it holds only rank {t.rank}'s own values, and nothing was ever added into `tensor` in place: what "
+            f"arrived from {ranks_said(left_out)} never reached it",
+            "nothing_added",
+        )
+
+
+def _receives_waited(t: Trial, since: int) -> None:
+    """Every dist.irecv's request was waited for: until it is, its buffer may hold nothing yet, and whether it does
+    depends on the machine's load (a value check would pass or fail by chance)."""
+    receives = [c for c in t.tracer.calls[since:] if c["op"] == "irecv" and c.get("watched")]
+    unwaited = [c for c in receives if not c.get("waited")]
+    if unwaited:
+        first = unwaited[0]
+        t.fail(
+            "use of dist.irecv",
+            f"{len(unwaited)} of its {len(receives)} dist.irecv requests were never waited for (the first: from "
+            f"rank {first.get('peer')}, its call {first['n']}), so what it read from their buffers may not have "
+            "arrived yet",
+            "receive_not_waited",
+        )
+
+
+def _never_written(t: Trial, since: int, tensor: torch.Tensor, version: int, before, expected) -> None:
+    """``tensor`` as it was, bit for bit, with no receive into its storage and no in-place op on it: what arrived
+    went into copies. (torch's sends and receives do not bump a tensor's version; the learner's ``+=`` and
+    ``copy_`` do.)"""
+    if torch.equal(expected, before) or not torch.equal(tensor.detach().cpu(), before):
+        return
+    storage = tensor.untyped_storage().data_ptr()
+    if tensor._version != version or any(c.get("storage") == storage for c in t.tracer.calls[since:]):
+        return
+    t.fail(
+        "tensor",
+        "your function never wrote into `tensor`: no receive landed in it and nothing was added or copied into it, "
+        "so it still holds what it held before the call",
+        "not_in_place",
+    )
 
 
 def _which_segment(t: Trial, got, tensor: torch.Tensor, length: int, n: int, right: int) -> None:
@@ -130,15 +178,17 @@ def _at_most_the_ring_bytes(t: Trial, since: int, expected: int, collective: str
 
 def reduce_scatter_trial(t: Trial, fn) -> None:
     n, r = t.world_size, t.rank
+    t.tracer.watch_waits = True  # whether each irecv was waited for is read from its request
     for length in LENGTHS:
         with t.case(f"length {length}"):
             datas = [rank_data(length, rank) for rank in range(n)]
             total = sum(datas)
             a, b = segment_bounds(length, n)[(r + 1) % n]
             mine = datas[r].clone().to(t.device)
-            since = len(t.tracer.calls)
+            since, version = len(t.tracer.calls), mine._version
             got = t.call(fn, mine)
             _only_p2p(t, since, "reduce-scatter")
+            _receives_waited(t, since)
             own_a, own_b = segment_bounds(length, n)[r]
             mistakes = {
                 "segment_of_rank": total[own_a:own_b],
@@ -154,7 +204,9 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
                 t.fail("returned tensor", "it is the whole summed tensor", "whole_tensor")
             left_out = _ranks_left_out(got, datas, a, b)
             if left_out:
-                t.fail("returned segment", f"it holds the sum over every rank except rank {left_out}", "partial_sum")
+                _nothing_added(t, left_out, mine, version)
+                said = f"it holds the sum over every rank except {ranks_said(left_out)}"
+                t.fail("returned segment", said, "partial_sum")
             _cut_differently(t, got, total, length, n, (r + 1) % n)
             _which_segment(t, got, mine, length, n, (r + 1) % n)
             t.expect_close(got, total[a:b], "returned segment", mistakes, _segment_locator(length, n, a))
@@ -163,6 +215,7 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
 
 def all_gather_trial(t: Trial, fn) -> None:
     n, r = t.world_size, t.rank
+    t.tracer.watch_waits = True
     for length in LENGTHS:
         with t.case(f"length {length}"):
             full = sum(rank_data(length, rank) for rank in range(n))
@@ -172,10 +225,12 @@ def all_gather_trial(t: Trial, fn) -> None:
             a, b = bounds[(r + 1) % n]
             mine[a:b] = full[a:b]
             tensor = mine.to(t.device)
-            since = len(t.tracer.calls)
+            since, version = len(t.tracer.calls), tensor._version
             result = t.call(fn, tensor)
             _only_p2p(t, since, "all-gather")
+            _receives_waited(t, since)
             _in_place(t, result, tensor, mine, full)
+            _never_written(t, since, tensor, version, mine, full)
             got = tensor.detach().cpu()
             for segment, (lo, hi) in enumerate(bounds):
                 if hi > lo and torch.equal(got[lo:hi], stale[lo:hi]):
@@ -198,17 +253,26 @@ def all_gather_trial(t: Trial, fn) -> None:
 
 def all_reduce_trial(t: Trial, fn) -> None:
     n, r = t.world_size, t.rank
+    t.tracer.watch_waits = True
     for length in LENGTHS:
         with t.case(f"length {length}"):
             datas = [rank_data(length, rank) for rank in range(n)]
             reference = sum(datas)  # what dist.all_reduce returns, computed here: no collective beside the learner's
             since = len(t.tracer.calls)
             tensor = datas[r].clone().to(t.device)
+            version = tensor._version
             result = t.call(fn, tensor)
             _only_p2p(t, since, "all-reduce")
+            _receives_waited(t, since)
             _in_place(t, result, tensor, datas[r], reference)
+            _never_written(t, since, tensor, version, datas[r], reference)
             got = tensor.detach().cpu()
             a, b = segment_bounds(length, n)[(r + 1) % n]
+            own_only = n > 1 and b > a and torch.equal(got[a:b], datas[r][a:b]) and not torch.equal(got, reference)
+            if own_only and tensor._version == version:
+                t.fail("tensor", f"segment {(r + 1) % n}, the one rank {r} finishes in the reduce-scatter, holds only "
+                       f"rank {r}'s own values, and nothing was ever added into `tensor` in place",
+                       "nothing_added")  # fmt: skip
             if length >= n and torch.equal(got[a:b], reference[a:b]) and not torch.equal(got, reference):
                 t.fail("tensor", f"only segment {(r + 1) % n} holds the full sum", "no_all_gather")
             t.expect_close(got, reference, "tensor", {"averaged": reference / n}, _segment_locator(length, n))
@@ -227,8 +291,19 @@ RING_MISTAKES = {
     "the caller's (DDP divides afterwards).",
     "sends_too_much": "each hop should move one segment (S/n bytes), not the whole tensor.",
     "not_in_place": "the collective works in place, as dist.all_gather_into_tensor and dist.all_reduce do: write "
-    "what arrives into the segments of `tensor` itself. The caller reads `tensor`; a tensor returned is ignored.",
+    "what arrives into the segments of `tensor` itself, views such as tensor[a:b], not copies (.clone(), "
+    "torch.cat, x = x + y). The caller reads `tensor`; a tensor returned is ignored.",
+    "receive_not_waited": "dist.irecv returns at once, before anything has arrived: its buffer is filled only when "
+    "the request it returned has been waited for. Keep each request and call .wait() on it (or on every request "
+    "dist.batch_isend_irecv returns) before you read or add what arrived.",
+    "nothing_added": "x = x + y makes a new tensor and binds x to it, leaving the segment in `tensor` as it was: add "
+    "what arrived in place, with `x += y` (or x.add_(y)), so that the sum lands in `tensor`.",
+    "wrong_peer": "each rank receives from a rank that sends to another one. In this ring every rank sends to "
+    "(rank + 1) % n, so the rank that sends to it is (rank - 1) % n: receive from that one. (On two ranks both "
+    "are the same rank, which is why the check runs three.)",
 }
+RING_MIN_RANKS = 3
+RING_MIN_RANKS_WHY = "rank + 1 and rank - 1 are the same rank, and torch.chunk cuts every length as segment_bounds does"
 
 EXERCISES = (
     Exercise(
@@ -241,6 +316,8 @@ EXERCISES = (
         solution="ring.ring_reduce_scatter",
         library="distlab.comm.collectives.ring_reduce_scatter",
         trial=reduce_scatter_trial,
+        min_ranks=RING_MIN_RANKS,
+        min_ranks_why=RING_MIN_RANKS_WHY,
         mistakes={
             **RING_MISTAKES,
             "segment_of_rank": "you returned segment `rank`. In this ring rank r sends segment r - hop at each hop, so "
@@ -266,6 +343,8 @@ EXERCISES = (
         solution="ring.ring_all_gather",
         library="distlab.comm.collectives.ring_all_gather",
         trial=all_gather_trial,
+        min_ranks=RING_MIN_RANKS,
+        min_ranks_why=RING_MIN_RANKS_WHY,
         mistakes={
             **RING_MISTAKES,
             "added_not_copied": "you added what arrived to the stale values. The sums are already made; an "
@@ -283,6 +362,8 @@ EXERCISES = (
         solution="ring.ring_all_reduce",
         library="distlab.comm.collectives.ring_all_reduce",
         trial=all_reduce_trial,
+        min_ranks=RING_MIN_RANKS,
+        min_ranks_why=RING_MIN_RANKS_WHY,
         mistakes={
             **RING_MISTAKES,
             "no_all_gather": "after the reduce-scatter each rank holds the sum of one segment only; the all-gather "

@@ -62,6 +62,8 @@ class Tracer:
         self.inside = False  # torch's send is its isend waited on: only the learner's own call is traced
         self.case = -1  # the index of the case running, set by Trial.case
         self.watch_waits = False  # an async call's handle reports the learner's wait (a trial that needs it says so)
+        self.batching = False  # inside dist.batch_isend_irecv, whose requests are watched as a batch
+        self.in_flight: dict[int, tuple[torch.Tensor, int]] = {}  # call -> (its tensor, its version at launch)
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed by the rank's exit)
 
     def record(self, op: str, args: tuple, kwargs: dict) -> dict:
@@ -69,6 +71,11 @@ class Tracer:
         call = {"op": op, "n": len(self.calls) + 1, "done": False, "case": self.case}
         if isinstance(tensor, torch.Tensor):
             call["bytes"] = tensor.numel() * tensor.element_size()
+            # what the call reads or writes: a received segment lands in `tensor` itself or in a copy of it
+            call["storage"] = tensor.untyped_storage().data_ptr()
+        reduce_op = kwargs.get("op", args[1] if op == "all_reduce" and len(args) > 1 else None)
+        if op == "all_reduce" and reduce_op is not None:
+            call["reduce_op"] = getattr(reduce_op, "name", str(reduce_op))  # ReduceOp.AVG -> "AVG"
         peer_key = SENDS.get(op) or RECEIVES.get(op)
         if peer_key:
             peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
@@ -84,10 +91,26 @@ class Tracer:
         self.file.write(json.dumps({"n": call["n"], "done": True}) + "\n")
 
     def waited(self, call: dict, done: bool) -> None:
-        """The learner waited for an async ``call`` (``done``: it has returned), or took its future to wait on."""
+        """The learner waited for an async ``call`` (``done``: it has returned), or took its future to wait on.
+        A tensor the learner changed in place between the launch and this wait is marked ``changed_in_flight``:
+        torch's collectives never bump a tensor's version, so only the learner's own in-place ops (``/=``) do."""
         call["waited"] = True
+        launched = self.in_flight.pop(call["n"], None)
+        if launched is not None and launched[0]._version != launched[1]:
+            call["changed_in_flight"] = True
         if done and not call["done"]:
             self.finish(call)
+
+    def watch(self, result, calls: list[dict]):
+        """``result``, the handle of the async ``calls``, wrapped to report the learner's wait to each of them."""
+        for call in calls:
+            call["watched"] = True
+
+        def waited(done: bool) -> None:
+            for call in calls:
+                self.waited(call, done)
+
+        return WatchedWork(result, waited)
 
     def bytes_sent(self, since: int = 0) -> int:
         sent = 0
@@ -114,9 +137,12 @@ class Tracer:
             setattr(dist, op, wrapped)
             if op in IDENTITY_CHECKED:
                 setattr(c10d, op, wrapped)
+        batch = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap_batch(batch)
         try:
             yield
         finally:
+            dist.batch_isend_irecv = batch
             for op, original in originals.items():
                 setattr(dist, op, original)
                 if op in IDENTITY_CHECKED:
@@ -135,9 +161,34 @@ class Tracer:
                 self.inside = False
             if op not in ("isend", "irecv") and not kwargs.get("async_op"):
                 self.finish(call)
-            elif self.watch_waits and isinstance(result, dist.Work):
-                result = WatchedWork(result, functools.partial(self.waited, call))
+            elif self.watch_waits and isinstance(result, dist.Work) and not self.batching:
+                tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+                if isinstance(tensor, torch.Tensor):
+                    self.in_flight[call["n"]] = (tensor, tensor._version)
+                result = self.watch(result, [call])
             return result
+
+        return traced
+
+    def _wrap_batch(self, original: Callable) -> Callable:
+        """dist.batch_isend_irecv, whose sends and receives are traced one by one; with ``watch_waits``, its
+        requests report the learner's waits: one request per op (gloo), or one for the whole batch (NCCL
+        coalesces it), which then stands for every op in it."""
+
+        @functools.wraps(original)
+        def traced(p2p_op_list):
+            since = len(self.calls)
+            self.batching = True
+            try:
+                requests = original(p2p_op_list)
+            finally:
+                self.batching = False
+            if not self.watch_waits or not isinstance(requests, list):
+                return requests
+            calls = [c for c in self.calls[since:] if c["op"] in ("isend", "irecv")]
+            if len(requests) == len(calls):
+                return [self.watch(r, [c]) for r, c in zip(requests, calls)]
+            return [self.watch(r, calls) for r in requests]
 
         return traced
 
@@ -343,6 +394,41 @@ def _filled(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+def ranks_said(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 1 and 2``, ``ranks 1, 2 and 3``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _posted(calls: list[dict], ops: dict, peer: int) -> int:
+    return sum(1 for c in calls if c["op"] in ops and c.get("peer") == peer)
+
+
+def sent_elsewhere(traces: list[list[dict]], rank: int, call: dict | None) -> str:
+    """Read from every rank's trace (the grader's, once the ranks have ended): when ``call``, the send or receive
+    ``rank`` waits in, names a peer that posted no message for it but one for another rank that no receive takes
+    (or a receive from another rank that nothing fills), that, said."""
+    if call is None or call.get("peer") is None or not 0 <= call["peer"] < len(traces):
+        return ""
+    peer, receiving = call["peer"], call["op"] in RECEIVES
+    mine, theirs = (RECEIVES, SENDS) if receiving else (SENDS, RECEIVES)
+    if _posted(traces[peer], theirs, rank) >= _posted(traces[rank], mine, peer):
+        return ""  # the peer posted its half
+    others = []
+    for c in traces[peer]:
+        other = c.get("peer")
+        if c["op"] in theirs and other not in (None, rank) and 0 <= other < len(traces) and other not in others:
+            if _posted(traces[peer], theirs, other) > _posted(traces[other], mine, peer):
+                others.append(other)
+    if not others:
+        return ""
+    listed = " and ".join(f"rank {k}" for k in others)
+    if receiving:
+        return f"; rank {peer} sent to {listed}, not to rank {rank}"
+    return f"; rank {peer} receives from {listed}, not from rank {rank}"
 
 
 def numbers_close(got, expected: float) -> bool:

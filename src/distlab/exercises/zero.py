@@ -85,16 +85,23 @@ def _zero1_calls(t: Trial, fn):
         reference = _values(numel, padded, seed=numel)  # the same model on every rank
         momentum_all = torch.zeros(padded)  # every shard's momentum
         params, momentum = reference.to(t.device), None
+        unmoved: dict = {}  # step 1 wrote flat_params yet left it where it was: step 2 tells why
         for step in (1, 2):
             grad = _values(numel, padded, seed=100 * numel + step)
             momentum_all = BETA * momentum_all + grad
             before, reference = reference, reference - LR * momentum_all
             got = {}
 
-            def call(got=got, grad=grad, momentum=momentum):  # called as soon as it is yielded
-                since = len(t.tracer.calls)
+            def call(got=got, grad=grad, momentum=momentum, step=step):  # called as soon as it is yielded
+                since, version, params_before = len(t.tracer.calls), params._version, _cpu(params)
                 got["momentum"] = t.call(fn, params, grad.to(t.device), momentum, LR, BETA)
-                seen = {"momentum": _cpu(got["momentum"]), "params": _cpu(params), "ops": t.tracer.ops(since)}
+                storage = params.untyped_storage().data_ptr()
+                written = params._version != version or any(
+                    c.get("storage") == storage for c in t.tracer.calls[since:]
+                )  # the learner's copy_ bumps the version; a collective's output is seen in the trace
+                seen = {"momentum": _cpu(got["momentum"]), "params": _cpu(params), "ops": t.tracer.ops(since),
+                        "written": written, "params_before": params_before, "momentum_before": _cpu(momentum),
+                        "step": step, "unmoved": unmoved}  # fmt: skip
                 return partial(_zero1_check, t, seen, before, reference, momentum_all, size, numel)
 
             yield f"{numel} values{f' padded to {padded}' if padded > numel else ''}, step {step}", call
@@ -112,16 +119,32 @@ def _zero1_check(t: Trial, got: dict, before, expected, momentum_all, size: int,
         t.fail("momentum", f"{why} {n * size} (1/{n})", "state_not_sharded" if momentum.numel() >= numel else None)
     momentum = momentum.reshape(-1)
     if not _close(momentum, momentum_all[shard[r]]):
+        if n > 1 and _close(momentum, momentum_all[shard[r]] / n):
+            why = f"it is this shard's momentum divided by {n}: flat_grad was divided by {n} once more"
+            t.fail("momentum", why, "divided_again")
+        if n > 1 and _close(momentum, n * momentum_all[shard[r]]):
+            summing = [op for op in got["ops"] if op.startswith("reduce_scatter") or op == "all_reduce"]
+            by = {"all_reduce": "dist.all_reduce"}.get(summing[0], f"a reduce-scatter (dist.{summing[0]})") \
+                if summing else "a sum over the ranks"  # fmt: skip
+            why = f"it is {n} times this shard's momentum: {by} summed the {n} ranks' flat_grad, already their average"
+            t.fail("momentum", why, "summed_again")
         for k in range(n):
             if k != r and _close(momentum, momentum_all[shard[k]]):
                 why = f"it is shard {k}'s ({_values_of(size, k)}); rank {r} steps shard {r}, {_values_of(size, r)}"
                 t.fail("momentum", why, "wrong_shard")
         t.expect_close(momentum, momentum_all[shard[r]], "momentum", locate=_locate(size, numel, r * size))
+    if got["unmoved"]:
+        _zero1_unmoved(t, got, params[shard[r]], size)
     moved = [k for k in range(n) if not torch.equal(expected[shard[k]], before[shard[k]])]
     stale = [k for k in moved if torch.equal(params[shard[k]], before[shard[k]])]
+    if r in stale and got["written"] and got["step"] == 1:
+        got["unmoved"]["step 1"] = True  # written, not moved: a step with the old momentum (zero) or no step
+        return
     if r in stale:
         why = f"its own shard {r} ({_values_of(size, r)}) still holds the values before the step"
-        t.fail("flat_params", why, "not_in_place")
+        if got["written"]:
+            t.fail("flat_params", f"{why}, though your function wrote into flat_params", "not_stepped")
+        t.fail("flat_params", f"{why}, and your function never wrote into flat_params", "not_in_place")
     if stale:
         held = f"shards {', '.join(map(str, stale))} still hold" if len(stale) > 1 else f"shard {stale[0]} still holds"
         why = f"{held} the values before the step; only shard {r}, this rank's, is stepped"
@@ -131,6 +154,24 @@ def _zero1_check(t: Trial, got: dict, before, expected, momentum_all, size: int,
         why = f"it called dist.all_reduce: each rank sent 2(n-1)/n = {2 * (n - 1) / n:.2f} times the buffer's bytes,"
         t.fail("choice of collective", f"{why} where an all-gather of the shards sends (n-1)/n = {(n - 1) / n:.2f}",
                "all_reduced")  # fmt: skip
+
+
+def _zero1_unmoved(t: Trial, got: dict, own: torch.Tensor, size: int) -> None:
+    """Step 1 wrote flat_params but left this rank's shard where it was; step 2 says why. A step with the momentum
+    before this step's gradient was added moves by lr * beta * m_old, which is zero at step 1 (m starts at zero)
+    and lr * beta * m_1 at step 2; a shard gathered before it was stepped never moves."""
+    r, where = t.rank, f"its own shard {t.rank} ({_values_of(size, t.rank)})"
+    shard_before = got["params_before"][r * size : (r + 1) * size]
+    m_old = got["momentum_before"]
+    if isinstance(m_old, torch.Tensor) and m_old.numel() == size:
+        if _close(own, shard_before - LR * BETA * m_old.reshape(-1).to(own.dtype)):
+            why = (f"flat_params was written, but {where} did not move at step 1 and moved by lr * beta * m at step 2, "
+                   "m being the momentum your step 1 returned: each step used the momentum before adding its own "
+                   "gradient")  # fmt: skip
+            t.fail("flat_params", why, "momentum_late")
+    if torch.equal(own, shard_before):
+        t.fail("flat_params", f"flat_params was written at each step, but {where} never moved", "not_stepped")
+    t.fail("flat_params", f"flat_params was written at step 1, but {where} did not move there")
 
 
 # --- ZeRO-2 and ZeRO-3: a shard of the averaged gradient ------------------------------------------------------
@@ -382,6 +423,16 @@ EXERCISES = (
             "stepped shard into flat_params (all_gather_flat(stepped_shard, flat_params.numel()), then copy).",
             "not_in_place": "flat_params must hold the new values when your function returns: write into it "
             "(the all-gather's output is flat_params itself) rather than making a new tensor.",
+            "momentum_late": "you stepped with the momentum before this step's gradient was added to it, so at "
+            "the first step (m = 0) nothing moved. Update the momentum first, then step with it: m = beta * m + g, "
+            "then p -= lr * m.",
+            "not_stepped": "what you gathered into flat_params is the shards before the step: step this rank's "
+            "shard (p - lr * m) first, then all-gather the stepped shards.",
+            "divided_again": "flat_grad arrives already averaged over the ranks (it was all-reduced and divided, as "
+            "in DDP): add flat_grad[shard] to the momentum as it is, without dividing by N again.",
+            "summed_again": "flat_grad is already the average over the ranks, the same on every rank: a reduce-scatter "
+            "(or all-reduce) of it sums N equal copies, N times the average. Use this rank's shard of flat_grad as it "
+            "is; reduce-scattering the gradient is ZeRO-2's step, on each rank's own gradient.",
             "all_reduced": "an all-reduce of flat_params with the other shards zeroed gives every rank the right "
             "values, but sends twice the bytes: 2(n-1)/n of the buffer from each rank, where an all-gather of the "
             "stepped shards sends (n-1)/n. All-gather them: all_gather_flat(stepped_shard, flat_params.numel()).",
