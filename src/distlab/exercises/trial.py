@@ -53,6 +53,12 @@ class LearnerRaised(Exception):
     """The learner's function raised; the report holds where."""
 
 
+def _first_tensor(kwargs: dict) -> torch.Tensor | None:
+    """The tensor a call names first by keyword: ``tensor``, or the output of a collective called with keywords
+    (FSDP2 calls ``reduce_scatter_tensor(output=..., input=...)``)."""
+    return next((kwargs[key] for key in ("tensor", "output", "output_tensor") if key in kwargs), None)
+
+
 class Tracer:
     """Every traced call this rank makes, appended to a file as it starts and when it returns."""
 
@@ -67,7 +73,7 @@ class Tracer:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (closed by the rank's exit)
 
     def record(self, op: str, args: tuple, kwargs: dict) -> dict:
-        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(kwargs)
         call = {"op": op, "n": len(self.calls) + 1, "done": False, "case": self.case}
         if isinstance(tensor, torch.Tensor):
             call["bytes"] = tensor.numel() * tensor.element_size()
