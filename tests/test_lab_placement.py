@@ -203,3 +203,38 @@ def test_the_setup_places_the_ranks_with_place_for_any_gpu_count(notebook: Path,
     assert namespace["P"].reason in said
     kaggle = [line for line in said if line.startswith('Kaggle\'s "GPU T4 x2"')]
     assert len(kaggle) == (gpus != 2), said
+
+
+BOOK_PAGES = sorted((ROOT / "book").glob("*.md"))
+LAUNCH_CALL = re.compile(r"launch\.(torchrun|train)\((.*?)\)\s*[;\n]", re.S)
+
+
+@pytest.mark.parametrize("page", BOOK_PAGES, ids=[page.stem for page in BOOK_PAGES])
+def test_every_launch_on_a_book_page_runs_its_ranks_on_the_cpu(page: Path):
+    """The book is built on the CPU and reads its runs' files by their CPU names: a launch of an entry point that
+    takes --device says ``--device cpu``, itself or in a list the page defines, so a build on a GPU machine runs
+    the same jobs (``labs.launch.torchrun`` would otherwise place them on the GPU; architecture review 4, A3)."""
+    from distlab.labs.launch import entry_config, takes_placement
+
+    text = page.read_text()
+    bodies = dict(re.findall(r"^\s*(\w+) = \[(.*?)\]", text, re.S | re.M))
+    lists = {
+        name
+        for name, value in vars(importlib.import_module("distlab.demos.bad_inputs")).items()
+        if isinstance(value, (list, tuple)) and "--device" in value and re.search(rf"import .*\b{name}\b", text)
+    }
+    while True:  # a list that says it, or spreads one that does
+        says = {
+            name
+            for name, body in bodies.items()
+            if '"--device", "cpu"' in body or any(re.search(rf"\*{known}\b", body) for known in lists)
+        }
+        if says <= lists:
+            break
+        lists |= says
+    for kind, args in LAUNCH_CALL.findall(text):
+        target = "distlab.train" if kind == "train" else args.split(",")[0].strip().strip("\"'")
+        if not target.startswith("distlab.") or not takes_placement(entry_config(target)):
+            continue
+        told = '"--device", "cpu"' in args or any(re.search(rf"\*{name}\b", args) for name in lists)
+        assert told, f"{page.name}: launch.{kind}({args[:120]}...) does not say --device cpu"
