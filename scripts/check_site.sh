@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 pip install -r requirements.txt && jupyter-book build book
 test -f _build/html/running.html && test -f _build/html/labs/lab0_first_run.html
 export DISTLAB_SCREENSHOTS="$PWD/_build/screenshots"
-DISTLAB_REQUIRE_SITE=1 python -m pytest -q tests/test_site.py tests/test_browser.py
+DISTLAB_REQUIRE_SITE=1 python -m pytest -q -m "not gpu" tests/test_site.py tests/test_browser.py
 echo "== screenshots of every page: $DISTLAB_SCREENSHOTS"

@@ -20,6 +20,8 @@ from distlab.data import DataSpec
 from distlab.labs.launch import launcher_environment, run_job
 from distlab.testing import ATOL, assert_same_state, run_torchrun
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parents[1] / "scripts" / "accelerate"
 SCRIPT, DDP_CONFIG, FSDP_CONFIG = HERE / "train.py", HERE / "config_ddp.yaml", HERE / "config_fsdp.yaml"
 # Flags both entry points take. SGD keeps the different summation orders at

@@ -117,3 +117,30 @@ def test_a12_a_labs_report_is_labelled_with_the_ranks_its_runs_ran_on(monkeypatc
     folder = lab.report_from_results(results, "lab_ddp_mnist", out=tmp_path / "reports")
     assert written["ranks"] == 2 and written["parts"][0]["ranks"] == 2
     assert folder.name.startswith("nvidia-h200-2x-")
+
+
+def test_a5_every_rank_started_here_comes_from_one_server_with_one_preload_list():
+    """A5: the tests' ranks and the grader's each set the forkserver's preload list, two lists for one server, and
+    the first to start it won (the grader's ranks then imported torch._dynamo after the fork). One list and one
+    rank start now live in distlab.jobs, and nothing else sets a preload or writes a rank's environment."""
+    import importlib.util
+
+    from distlab import jobs
+
+    package = Path(jobs.__file__).parent
+    for needle in ("set_forkserver_preload", "RANK=str(rank)"):
+        assert [p.name for p in package.rglob("*.py") if needle in p.read_text()] == ["jobs.py"], needle
+    assert {"torch._dynamo", "distlab.train", "distlab.exercises.trial"} <= set(jobs.PRELOAD)
+    assert all(importlib.util.find_spec(name) for name in jobs.PRELOAD)
+
+
+def test_a6_the_process_runner_is_named_for_what_it_is_apart_from_the_test_fixtures():
+    """A6: testing.py held the production process runner, which labs.launch re-exported private names of. The
+    runner is distlab.jobs; testing keeps what tests use (tolerances, toy models, tiny MNIST, run_entry)."""
+    from distlab import testing
+    from distlab.labs import launch
+
+    for name in ("run_job", "stop_job", "failure_reason", "torchrun_command", "launcher_environment"):
+        assert getattr(launch, name).__module__ == "distlab.jobs", name
+    source = Path(testing.__file__).read_text()
+    assert "def stop_job" not in source and "def _failure_reason" not in source and "TCPStore" not in source

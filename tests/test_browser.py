@@ -30,6 +30,8 @@ from urllib.parse import quote_plus, unquote, urlsplit
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("DISTLAB_SITE") or ROOT / "_build" / "html").resolve()
 SCREENSHOTS = Path(os.environ.get("DISTLAB_SCREENSHOTS") or ROOT / "_build" / "screenshots")

@@ -153,7 +153,7 @@ def test_every_strategy_resumes_to_the_uninterrupted_weights_bitwise(saved_on_tw
         assert torch.equal(result["rng"], saved_rng[rank]), f"rank {rank} got another rank's RNG back"
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_checkpoint_from_two_ranks_loads_on_another_number(saved_on_two, tmp_path, world_size):
     """Resharding. Reference: the checkpoint holds the state of the 2-rank run after step 4.
     1. Loaded on N ranks and saved again at once, it holds the same tensors, bitwise
@@ -190,6 +190,7 @@ def _train_command(*flags: str) -> list[str]:
     return [sys.executable, "-m", "distlab.train", *map(str, flags)]
 
 
+@pytest.mark.slow
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path, capsys):
     """The process dies by SIGKILL as it starts writing step 4's checkpoint: step 2 stays
     complete and named by latest; resuming finds it. Then checkpoints that do not fit this

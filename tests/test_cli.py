@@ -17,7 +17,7 @@ from distlab.config import TrainConfig
 from distlab.errors import DistlabError
 from distlab.labs.launch import run_job
 from distlab.results import SCHEMA, read_result
-from distlab.testing import CNN_PARAMETERS, run_ranks, run_torchrun
+from distlab.testing import CNN_PARAMETERS, run_entry, run_torchrun
 
 QUICK = [
     "--model",
@@ -67,7 +67,7 @@ def _check_result(path: Path, strategy: str, world_size: int) -> dict:
     return record
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_train_entry_point_on_two_gloo_ranks_writes_a_result(tmp_path, strategy):
     run = run_torchrun(
         2, "distlab.train", "--strategy", strategy, "--dataset", "synthetic", "--out", str(tmp_path), *QUICK
@@ -159,8 +159,17 @@ def _error_line(run: subprocess.CompletedProcess) -> str:
     "flags, says",
     [
         (["--strategy", "ddp", "--fsdp-cpu-offload"], "use --strategy fsdp"),
-        (["--strategy", "fsdp", "--fsdp-reduce-dtype", "param"], "needs a low-precision --fsdp-param-dtype"),
-        (["--strategy", "ddp", "--model", "resnet18", "--activation-checkpointing"], "BatchNorm statistics twice"),
+        # the one-line refusal as a process shows once in the default tier; the other refusals also in slow
+        pytest.param(
+            ["--strategy", "fsdp", "--fsdp-reduce-dtype", "param"],
+            "needs a low-precision --fsdp-param-dtype",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--strategy", "ddp", "--model", "resnet18", "--activation-checkpointing"],
+            "BatchNorm statistics twice",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["fsdp_option_without_fsdp", "reduce_dtype_without_param_dtype", "checkpointing_batchnorm"],
 )
@@ -190,6 +199,7 @@ run_main(main)
 """
 
 
+@pytest.mark.slow
 def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(DEAD_RANK_SCRIPT)
@@ -202,9 +212,9 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
     ]  # torchrun names the rank that died, and how
 
 
-def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
-    done = run_torchrun(
-        2,
+def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(ranks2, tmp_path):
+    run_entry(
+        ranks2,
         "distlab.bench.ddp_step",
         "--steps",
         "3",
@@ -219,7 +229,6 @@ def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
         "--out",
         str(tmp_path),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     record = read_result(tmp_path / "ddp-step-cnn-2xcpu.json")
     variants = [r["variant"] for r in record["metrics"]["variants"]]
     assert (
@@ -232,11 +241,8 @@ def test_ddp_bench_times_every_variant_and_its_timeline_shows_overlap(tmp_path):
     assert first_all_reduce < backward_end, "the first bucket's all-reduce should start while backward still runs"
 
 
-def test_data_mistakes_demo_counts_what_each_rank_saw(tmp_path):
-    done = run_torchrun(
-        2, "distlab.demos.data_mistakes", "--samples", "200", "--batch-size", "10", "--out", str(tmp_path)
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_data_mistakes_demo_counts_what_each_rank_saw(ranks2, tmp_path):
+    run_entry(ranks2, "distlab.demos.data_mistakes", "--samples", "200", "--batch-size", "10", "--out", str(tmp_path))
     report = read_result(tmp_path / "data-mistakes-2xcpu.json")["metrics"]
     assert report["no sampler"]["seen_by_every_rank"] == 200 and report["no sampler"]["problems"]
     assert report["sampler, no set_epoch"]["seen_by_every_rank"] == 0
@@ -250,9 +256,9 @@ def test_data_mistakes_demo_counts_what_each_rank_saw(tmp_path):
     )
 
 
-def test_shard_collectives_bench_checks_and_times_both_halves_of_all_reduce(tmp_path):
-    done = run_torchrun(
-        2,
+def test_shard_collectives_bench_checks_and_times_both_halves_of_all_reduce(ranks2, tmp_path):
+    run_entry(
+        ranks2,
         "distlab.bench.shard_collectives",
         "--sizes",
         "64KB",
@@ -263,7 +269,6 @@ def test_shard_collectives_bench_checks_and_times_both_halves_of_all_reduce(tmp_
         "--out",
         str(tmp_path),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
     rows = read_result(tmp_path / "shard-collectives-2xcpu.json")["metrics"]
     assert {(r["collective"], r["impl"]) for r in rows} == {
         ("all_reduce", "torch"),
@@ -275,10 +280,9 @@ def test_shard_collectives_bench_checks_and_times_both_halves_of_all_reduce(tmp_
     assert all(r["time_s"] > 0 and r["busbw_GBps"] > 0 for r in rows)
 
 
-def test_step_bench_times_each_strategy_and_counts_its_traffic(tmp_path):
+def test_step_bench_times_each_strategy_and_counts_its_traffic(ranks2, tmp_path):
     args = ["--model", "gpt-tiny", "--seq-len", "32", "--strategies", "ddp,zero2", "--steps", "2", "--warmup", "1"]
-    done = run_torchrun(2, "distlab.bench.step", *args, "--device", "cpu", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_entry(ranks2, "distlab.bench.step", *args, "--device", "cpu", "--out", str(tmp_path))
     rows = {r["strategy"]: r for r in read_result(tmp_path / "step-gpt-tiny-2xcpu.json")["metrics"]["variants"]}
     assert set(rows) == {"ddp", "zero2"} and all(len(r["times_s"]) == 2 for r in rows.values())
     # on gloo the course's ZeRO reduce-scatters and all-gathers with its ring: point-to-point sends, DDP's bytes
@@ -286,11 +290,10 @@ def test_step_bench_times_each_strategy_and_counts_its_traffic(tmp_path):
     assert rows["zero2"]["traffic"]["send"]["bytes_sent"] == rows["ddp"]["traffic"]["all_reduce"]["bytes_sent"]
 
 
-def test_fsdp_options_bench_measures_what_each_option_trades(tmp_path):
+def test_fsdp_options_bench_measures_what_each_option_trades(ranks2, tmp_path):
     variants = "fsdp,keep_after_forward,checkpointing,bf16,zero3"
     args = ["--model", "gpt-tiny", "--seq-len", "64", "--variants", variants, "--steps", "1", "--warmup", "0"]
-    done = run_torchrun(2, "distlab.bench.fsdp_options", *args, "--device", "cpu", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_entry(ranks2, "distlab.bench.fsdp_options", *args, "--device", "cpu", "--out", str(tmp_path))
     rows = {r["variant"]: r for r in read_result(tmp_path / "fsdp-options-gpt-tiny-2xcpu.json")["metrics"]["variants"]}
     assert list(rows) == variants.split(",")
     peak = {name: row["memory"]["ranks"][0]["peak_by_category"] for name, row in rows.items()}
@@ -316,21 +319,14 @@ def test_a_sequence_longer_than_the_model_takes_is_one_line(tmp_path):
     assert "--seq-len" in done.stderr
 
 
-def train_main(runtime, argv: list[str]) -> None:
-    """``distlab.train``'s entry point on ranks :func:`run_ranks` started (torchrun's are tested above)."""
-    from distlab.train import main
-
-    main(argv)
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
-def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy):
+def test_train_writes_per_rank_memory_that_matches_the_model(ranks2, tmp_path, strategy):
     from distlab.models import build_model
     from distlab.predict.memory import expected_state_bytes, shard_unit_shapes
 
     args = ["--model", "gpt-tiny", "--batch-size", "8", "--synthetic-size", "256", "--max-steps", "3"]
     args += ["--num-workers", "0"]
-    run_ranks(train_main, 2, tmp_path, ["--strategy", strategy, "--device", "cpu", *args, "--out", str(tmp_path)])
+    run_entry(ranks2, "distlab.train", "--strategy", strategy, "--device", "cpu", *args, "--out", tmp_path)
     metrics = read_result(tmp_path / f"{strategy}-gpt-tiny-synthetic-2xcpu.json")["metrics"]
     units = shard_unit_shapes(build_model("gpt-tiny"))
     for rank, measured in enumerate(metrics["memory"]["ranks"]):
@@ -340,7 +336,7 @@ def test_train_writes_per_rank_memory_that_matches_the_model(tmp_path, strategy)
 
 
 def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
-    from distlab.testing import _failure_reason
+    from distlab.jobs import _failure_reason
 
     banner = "distlab: fsdp | cnn (405,898 parameters) | synthetic | 2 rank(s)\n"
     assert _failure_reason([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")

@@ -94,7 +94,7 @@ def compare_all_reduces(runtime, lengths):
     return failures
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("world_size", [2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 5))])
 def test_hand_written_all_reduces_equal_dist_all_reduce(ranks, world_size):
     for found in ranks(world_size):
         assert found["all_reduce"] == []

@@ -7,17 +7,15 @@ import time
 import pytest
 
 from distlab.results import read_result
-from distlab.testing import ATOL, run_torchrun
+from distlab.testing import ATOL, run_entry, run_torchrun
 
 
 @pytest.fixture(scope="module")
-def knobs(tmp_path_factory) -> dict:
-    """One run of every demonstration; the timings are not under test, so few repeats."""
+def knobs(ranks2, tmp_path_factory) -> dict:
+    """One run of every demonstration, in-process on the session's two ranks; the timings are not under test,
+    so few repeats."""
     out = tmp_path_factory.mktemp("ddp-knobs")
-    run = run_torchrun(
-        2, "distlab.demos.ddp_knobs", "--device", "cpu", "--repeats", "5", "--out", str(out), timeout=180
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_entry(ranks2, "distlab.demos.ddp_knobs", "--device", "cpu", "--repeats", "5", "--out", out)
     return read_result(out / "ddp-knobs-2xcpu.json")["metrics"]
 
 
@@ -74,6 +72,7 @@ def test_join_finishes_uneven_inputs_and_divides_by_the_initial_world_size(knobs
     assert join["gradient_scale_after_others_joined"][1] == pytest.approx([0.5], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_uneven_inputs_without_join_end_at_the_timeout(tmp_path):
     started = time.monotonic()
     run = run_torchrun(

@@ -52,6 +52,7 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_script_and_its_resumed_run_train_exactly_like_distlab_train(runs):
     """Every step's loss, and each epoch's training and test numbers, agree to float rounding over three
     epochs, the last one after a restart: so the weights did at every step. A missing set_epoch (epochs 2 and 3
@@ -70,6 +71,7 @@ def test_the_script_and_its_resumed_run_train_exactly_like_distlab_train(runs):
     assert environment["backend"] == "gloo" and environment["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_the_checkpoint_rank_0_wrote_holds_the_trained_weights(runs):
     """The file loads into a bare model (no DDP "module." prefix) and holds, after the resumed epoch, the weights
     distlab.train ended with, far from where training started; and the optimizer state to resume from."""

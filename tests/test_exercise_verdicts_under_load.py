@@ -36,7 +36,7 @@ def two_busy_cores():
         process.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 @pytest.mark.parametrize("label, fn, mistake", ZERO3, ids=[label for label, _, _ in ZERO3])
 def test_zero3_unit_verdicts_hold_fifty_times_beside_two_busy_loops(two_busy_cores, label, fn, mistake):
     verdicts = Counter()

@@ -139,6 +139,7 @@ def test_a_collective_only_some_ranks_call_ends_in_time_and_says_so():
     assert "rank 1 did not wait: your function returned, and its tensor was wrong" in verdict.message
 
 
+@pytest.mark.slow
 def test_ranks_that_cannot_meet_say_why_in_one_line(monkeypatch):
     from contextlib import contextmanager
 

@@ -19,6 +19,8 @@ from distlab.errors import collective_failure, torch_says
 from distlab.labs.launch import launcher_environment, run_job, torchrun_command
 from distlab.results import read_result
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 3
 GLOO_TIMEOUT = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from distlab.demos.fsdp_mistakes import run_all
 from distlab.results import read_result
-from distlab.testing import run_ranks, run_torchrun
+from distlab.testing import run_entry, run_ranks, run_torchrun
 
 
 def test_gathered_parameters_left_across_a_step_train_on_stale_weights_and_the_guard_refuses(tmp_path):
@@ -30,10 +30,11 @@ def test_the_mistakes_entry_point_reports_the_drift_and_the_guard(tmp_path):
     assert (tmp_path / "fsdp-mistakes.json").exists()
 
 
-def test_the_essentials_an_optimizer_made_first_steps_nothing_meta_init_is_exact_and_clipping_sees_the_whole(tmp_path):
+def test_the_essentials_an_optimizer_made_first_steps_nothing_meta_init_is_exact_and_clipping_sees_the_whole(
+    ranks2, tmp_path
+):
     """distlab.demos.fsdp_essentials on 2 ranks: what the chapter prints, checked."""
-    job = run_torchrun(2, "distlab.demos.fsdp_essentials", "--out", str(tmp_path), timeout=240)
-    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-2000:]
+    run_entry(ranks2, "distlab.demos.fsdp_essentials", "--out", tmp_path)
     report = read_result(tmp_path / "fsdp-essentials.json")["metrics"]
     first, after = report["optimizer_first"], report["optimizer_after"]
     assert first["moved"] == 0 and len(set(first["losses"])) == 1  # the loss never moves

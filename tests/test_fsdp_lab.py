@@ -62,6 +62,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     return {name: read_result(out / f"{name}.json") for name in jobs}
 
 
+@pytest.mark.slow
 def test_the_script_trains_exactly_like_distlab_train(runs):
     """Same seed, same MNIST files, two epochs (so a missing set_epoch would show): every step's loss and the
     final test loss agree to float rounding, so the weights did at every step. The CNN's odd-sized layers
@@ -79,6 +80,7 @@ def test_the_script_trains_exactly_like_distlab_train(runs):
     assert held == [_predicted_state("cnn", "fsdp", rank) for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_a_gpt_with_activation_checkpointing_holds_the_predicted_shards(runs):
     """The GPT path: synthetic tokens, a tied embedding and head in the root unit, checkpointed blocks."""
     (epoch,) = runs["gpt"]["metrics"]["epochs"]
@@ -90,6 +92,7 @@ def test_a_gpt_with_activation_checkpointing_holds_the_predicted_shards(runs):
     assert held[0] < 0.6 * _predicted_state("gpt-tiny", "ddp", 0)
 
 
+@pytest.mark.slow
 def test_prefetch_depth_and_offload_change_no_arithmetic(runs):
     """Two units gathered ahead and the state in host memory: the same losses and the same bytes held (on a CPU
     nothing moves, and there is no second stream: the lab times them on GPUs)."""

@@ -35,6 +35,7 @@ def cpu_report(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_cpu_run_is_a_valid_report_that_says_what_it_skipped(cpu_report):
     assert schema.problems(cpu_report) == []
     report = schema.check(cpu_report)
@@ -106,6 +107,7 @@ raise RuntimeError("the rank's own words")
 """
 
 
+@pytest.mark.slow
 def test_a_report_with_a_failed_part_exits_non_zero_says_why_and_is_written_marked_failed(
     tmp_path, monkeypatch, capsys
 ):
@@ -166,6 +168,7 @@ def _edit(folder: Path, file: str, change) -> None:
     path.write_text(json.dumps(record))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "breakage, says",
     [
@@ -192,6 +195,7 @@ def test_a_broken_report_is_refused_in_one_line_that_says_why(cpu_report, tmp_pa
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_the_page_with_no_report_one_and_several(cpu_report, tmp_path):
     assert schema.read_reports(tmp_path / "nowhere") == []
     assert schema.reports_markdown([]) == schema.NO_REPORT
@@ -213,6 +217,7 @@ def test_every_committed_report_passes_the_check():
     schema.read_reports(committed_results("gpu"))  # refuses the first invalid one, naming why
 
 
+@pytest.mark.slow
 def test_a_labs_results_become_a_checked_report_and_nothing_to_report_says_so(cpu_report, tmp_path, capsys):
     from distlab.gpu_report.lab import report_from_results
 
@@ -227,6 +232,7 @@ def test_a_labs_results_become_a_checked_report_and_nothing_to_report_says_so(cp
     assert report["parts"][0]["files"] == ["gpt-tiny-fsdp.json"] and "CPU" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_report_run_with_other_code_is_shown_with_what_ran_and_what_failed(tmp_path, capsys):
     """A report whose provenance file says what code ran is read with its failed parts, each named with the
     provenance's reason, below what ran; one without the provenance's three statements is refused."""
@@ -276,6 +282,7 @@ def test_each_sweep_row_says_how_far_its_predicted_arithmetic_outweighs_its_fixe
     assert schema.CITED_PREDICTIONS not in page  # the report said so when it ran: the course cites the H200 since
 
 
+@pytest.mark.slow
 def test_a_report_names_no_machine(cpu_report, tmp_path, monkeypatch):
     """No result file records the machine's name any more, and a report's files lose it wherever a command line or a
     log quoted it (F15: a hostname such as alice-laptop would have gone into the pull request)."""
@@ -308,6 +315,7 @@ def test_a_fit_whose_time_does_not_grow_with_size_shows_no_bandwidth_not_zero():
     assert "| no fit: time did not grow with size |" in schema.report_markdown(report)
 
 
+@pytest.mark.slow
 def test_a_several_rank_reports_model_column_says_it_lacks_each_strategys_own_cost(cpu_report):
     """F14: on one rank the model column carries each strategy's own cost, fitted on the same run; on several ranks
     no run measures that cost apart from what is sent, and each cell says it is left out."""

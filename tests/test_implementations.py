@@ -186,6 +186,7 @@ def test_the_reference_moves_the_weights(model_name):
         assert torch.equal(trained["inp.weight"], trained["out.weight"])
 
 
+@pytest.mark.slow
 def test_every_sharded_row_with_adam_accumulation_and_clipping_on_4_ranks(tmp_path):
     # Adam and a clipping norm that bites on every step, two micro-steps, 4 ranks starting from
     # different weights: every ZeRO variant against one process on the whole batch.

@@ -189,6 +189,7 @@ def _python_without_distlab(tmp_path: Path) -> Path:
     return python
 
 
+@pytest.mark.kaggle
 @pytest.mark.parametrize("lab", LABS)  # the book shows the labs unrun: this is where each one runs
 def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(lab, bundle, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")

@@ -39,6 +39,7 @@ def _pid_from(path: Path) -> int:
     raise AssertionError(f"{path} was never written")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="finds a job's processes in /proc")
 def test_a_timed_out_job_leaves_no_process_behind(tmp_path: Path):
     pid_file = tmp_path / "worker.pid"
@@ -58,6 +59,7 @@ with open(sys.argv[1], "a") as pids:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="finds a job's processes in /proc")
 def test_a_job_stopped_while_it_starts_workers_leaves_none_behind(tmp_path: Path):
     pid_file = tmp_path / "workers.pid"
@@ -67,6 +69,7 @@ def test_a_job_stopped_while_it_starts_workers_leaves_none_behind(tmp_path: Path
     assert pids and not [pid for pid in pids if _alive(pid)], "workers started as the job was stopped outlived it"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="finds a job's processes in /proc")
 def test_a_notebook_job_past_its_timeout_is_stopped_ranks_included(tmp_path: Path):
     script = tmp_path / "hang.py"
@@ -81,6 +84,7 @@ def test_a_notebook_job_past_its_timeout_is_stopped_ranks_included(tmp_path: Pat
         assert not _alive(_pid_from(tmp_path / f"rank{rank}")), f"rank {rank} outlived the job"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_the_operating_system_is_one_line(tmp_path: Path):
     script = tmp_path / "killed.py"
     script.write_text(
@@ -293,12 +297,11 @@ def _arrive_late_then_wait_alone(rank: int, rendezvous: dict, out: str) -> None:
         os._exit(0)  # no teardown with a peer that left
 
 
+@pytest.mark.slow
 def test_ranks_may_take_longer_to_meet_than_a_collective_may_wait(tmp_path: Path):
-    import torch.multiprocessing as mp
+    from distlab.jobs import hosted_rendezvous, rank_context
 
-    from distlab.testing import RANK_START_METHOD, hosted_rendezvous
-
-    context = mp.get_context(RANK_START_METHOD)
+    context = rank_context()
     with hosted_rendezvous() as rendezvous:
         ranks = [
             context.Process(target=_arrive_late_then_wait_alone, args=(r, rendezvous, str(tmp_path))) for r in (0, 1)

@@ -18,8 +18,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from distlab.labs.launch import launcher_environment, torchrun_command
 from distlab.testing import free_port
+
+pytestmark = pytest.mark.slow
 
 SBATCH = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "train.sbatch"
 TINY_TRAINING = (

@@ -32,7 +32,7 @@ def test_ci_runs_the_readme_commands_the_site_tests_and_the_kaggle_stack_in_orde
         assert f"{part}() {{" in ci, f".ci/run defines no {part}"
     assert f"readme_tests() {{ {test}; }}" in ci and f"readme_book() {{ {build}; }}" in ci
     calls = [line.split()[-1] for line in ci.splitlines() if line.startswith("timed ")]
-    assert calls == ["main_stack", "lint", "readme_tests", "readme_book", "site_tests", "kaggle_stack"]
+    assert calls == ["main_stack", "lint", "readme_tests", "other_tiers", "readme_book", "site_tests", "kaggle_stack"]
     assert "ruff check src tests scripts" in ci and "ruff format --check src tests scripts" in ci
     assert "tests/test_site.py tests/test_browser.py" in ci and "DISTLAB_REQUIRE_SITE=1" in ci
     assert "--no-deps" in ci and ".ci/kaggle-requirements.txt" in ci
@@ -40,6 +40,36 @@ def test_ci_runs_the_readme_commands_the_site_tests_and_the_kaggle_stack_in_orde
     assert {"torch==2.10.0", "torchvision==0.25.0", "accelerate==1.13.0"} <= set(kaggle)
     site_lines = [line.strip() for line in (ROOT / "scripts" / "check_site.sh").read_text().splitlines()]
     assert build in site_lines and any("tests/test_site.py tests/test_browser.py" in line for line in site_lines)
+
+
+def test_ci_runs_every_tier_but_the_gpus_and_the_default_tier_on_both_stacks():
+    """Each marker of pyproject.toml but gpu (and quick, a part of gpu) is selected by a pytest command of
+    .ci/run, and the default tier (no marker) by two: the README's on the main stack and Kaggle's."""
+    import re
+    import tomllib
+
+    from _pytest.mark.expression import Expression
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    tiers = {line.split(":")[0] for line in options["markers"]} - {"gpu", "quick"}
+    default = re.search(r"-m '([^']+)'", options["addopts"]).group(1)
+    ci = (ROOT / ".ci" / "run").read_text()
+    expressions = [
+        m.group(1) if m else default
+        for m in (
+            re.search(r'-m "([^"]+)"', line)
+            for line in ci.splitlines()
+            if "pytest" in line and "tests/test_site.py tests/" not in line
+        )
+    ]
+    expressions = [Expression.compile(e) for e in expressions]
+
+    def runs(marks: set[str]) -> int:
+        return sum(e.evaluate(lambda name, **_: name in marks) for e in expressions)
+
+    assert tiers == {"slow", "stress", "kaggle"}
+    assert all(runs({tier}) >= 1 for tier in tiers), {tier: runs({tier}) for tier in tiers}
+    assert runs(set()) == 2 and runs({"gpu"}) == 0
 
 
 def test_book_toc_and_labs_are_wired():

@@ -15,6 +15,8 @@ from distlab.parallel import full_state_dict
 from distlab.testing import run_ranks
 from distlab.train import train
 
+pytestmark = pytest.mark.slow
+
 # 8 steps in one epoch, a checkpoint every 3: rank 1 dies after step 5, mid-epoch,
 # and the restarted group goes back to step 3, losing 2 steps.
 FLAGS = dict(

@@ -14,7 +14,7 @@ Demos, benchmarks and plots use the library, never the reverse; predictions use 
 tests/test_layout.py holds the code to these lines, and to one direction between tiers and packages: no
 import, not even one for type checking, closes a circle among them.
 
-Core: errors, runtime, models, results, cli, data. May import: comm, measure.
+Core: errors, runtime, jobs, models, results, cli, data. May import: comm, measure.
 Run: config, train, checkpoint, testing. May import: core, parallel, comm, measure.
 
 Supported: Python 3.11 or newer and torch 2.10 or newer (Kaggle's image

@@ -10,7 +10,6 @@ the mistake it looks like. It never prints a traceback from inside torch.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
 import signal
 import sys
@@ -23,14 +22,12 @@ from pathlib import Path
 
 from .. import runtime
 from ..errors import DistlabError
+from ..jobs import hosted_rendezvous, rank_context
 from ..runtime import Placement, place
-from ..testing import RANK_START_METHOD, hosted_rendezvous
 from .catalog import Exercise, all_exercises, get
 from .source import is_stub, module_source
 from .trial import RECEIVES, rank_main, ranks_said, sent_elsewhere
 
-# FSDP's first fully_shard imports torch._dynamo (seconds): the server imports it once for every rank
-PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "distlab.exercises.trial"]
 STARTUP_S = 180.0
 """How long the ranks may take to start (the first check starts a server that imports torch once)."""
 MEETING_S = 90.0
@@ -160,13 +157,6 @@ def _placement(exercise: Exercise, ranks: int | None, device: str) -> Placement:
                        f"{fewer}{leave}")  # fmt: skip
 
 
-def _context():
-    context = mp.get_context(RANK_START_METHOD)
-    if RANK_START_METHOD == "forkserver":
-        context.set_forkserver_preload(PRELOADED)  # read once, when the server starts
-    return context
-
-
 @contextmanager
 def _main_script_left_behind():
     """A rank needs nothing of the caller's ``__main__``; started from a script, multiprocessing would run that
@@ -186,7 +176,7 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
     """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
     stop what is left. Returns each rank's report (None if it wrote none), its traced calls, whether any
     rank ended on its own without a report (rank -> exit code), and how the check ended (:class:`Ended`)."""
-    context = _context()
+    context = rank_context()
     with hosted_rendezvous() as rendezvous:  # held until every rank has ended
         processes = [
             context.Process(

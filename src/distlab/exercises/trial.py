@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import collective_failure
+from ..jobs import become_rank
 
 TRACED = (
     "send", "recv", "isend", "irecv", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
@@ -459,10 +460,9 @@ def rank_main(module: str, exercise: str, solution: str, name: str, rank: int, w
               meeting_s: float) -> None:  # fmt: skip
     """One rank of a check (started by :mod:`.grader`): run ``exercise`` of the chapter ``module`` on the
     learner's ``name`` from the file ``solution``; report to ``workdir/rank{rank}.json``. ``rendezvous`` is the
-    grader's store (:func:`distlab.testing.hosted_rendezvous`); ``meeting_s`` bounds joining the group, and
+    grader's store (:func:`distlab.jobs.hosted_rendezvous`); ``meeting_s`` bounds joining the group, and
     ``timeout_s`` every collective after."""
-    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    become_rank(rank, world_size, rendezvous)
     # torch's deprecation notices are not the learner's to act on, and would drown what their code printed
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -21,10 +21,7 @@ from pathlib import Path
 from ..cli import flag_names, parse, parse_or_refuse
 from ..config import TrainConfig
 from ..errors import DistlabError
-from ..measure.hardware import set_nccl_transport, survey
-from ..results import read_result
-from ..runtime import Placement, place
-from ..testing import (  # the process runner; the chapters and labs reach it here, beside torchrun
+from ..jobs import (  # the process runner; the chapters and labs reach it here, beside torchrun
     _failure_reason,
     _torchrun_noise,
     failure_reason,
@@ -33,6 +30,9 @@ from ..testing import (  # the process runner; the chapters and labs reach it he
     stop_job,
     torchrun_command,
 )
+from ..measure.hardware import set_nccl_transport, survey
+from ..results import read_result
+from ..runtime import Placement, place
 
 __all__ = [
     "JobOutput", "check_command_line", "entry_config", "failure_reason", "launcher_environment", "placement_args",

@@ -1,0 +1,474 @@
+"""The process runner: how distlab starts processes, stops them and says why they failed.
+
+Two kinds of job. A torchrun job (a lab's or a chapter's launch, a benchmark, the GPU report) is a subprocess in
+a session of its own: :func:`run_job` runs it to the end or stops it whole, ranks included, and
+:func:`failure_reason` says in one line why it failed. Ranks started from this process (the grader's, the tests'
+:func:`run_ranks`, a :class:`RankPool`) are forked from one server process that imported torch once
+(:data:`PRELOAD`), and meet at a store this process hosts (:func:`hosted_rendezvous`); :func:`become_rank` is
+how each of them starts.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat`` after the command name: the state first, then the parent's pid (OSError if gone)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, read from /proc (Linux; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(_stat_fields(entry.name)[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        todo.extend(kids := children.get(todo.pop(), []))
+        found.extend(kids)
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_for_state(pids: list[int], states: str, within_s: float) -> None:
+    """Wait until each of ``pids`` is in one of ``states`` (/proc's letters) or gone."""
+    deadline = time.monotonic() + within_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                state = _stat_fields(pid)[0]
+            except (OSError, IndexError):
+                break  # gone, or no /proc: nothing to wait for
+            if state in states:
+                break
+            time.sleep(0.005)
+
+
+def _stop_all(pids: list[int]) -> None:
+    """SIGSTOP each of ``pids`` and wait until the kernel has stopped it."""
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    _wait_for_state(pids, "TtZX", within_s=2.0)
+
+
+def _frozen_family(pid: int) -> list[int]:
+    """Every process below ``pid``, each stopped (SIGSTOP) before the next look: a process caught while it
+    forks a child into a session of its own cannot leave that child out of the list. SIGCONT resumes them."""
+    _stop_all([pid])
+    family: list[int] = []
+    while fresh := [child for child in _descendants(pid) if child not in family]:
+        _stop_all(fresh)
+        family += fresh
+    return family
+
+
+def stop_job(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a job started in a session of its own, and everything it started. torchrun starts each rank in
+    a session of its own and stops them on SIGTERM; whatever is still alive after ``grace_s`` (a hung rank,
+    a launcher that died first) is killed, the ranks included, so no job outlives its caller."""
+    family = _frozen_family(process.pid)  # before the launcher exits and its ranks are orphaned
+    try:
+        os.killpg(process.pid, signal.SIGTERM)  # torchrun stops its ranks on SIGTERM, once running again
+        for pid in [process.pid, *family]:
+            _signal(pid, signal.SIGCONT)
+        process.wait(grace_s)
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
+    remaining = [process.pid, *family, *_descendants(process.pid)]
+    for pid in remaining:
+        _signal(pid, signal.SIGKILL)
+    process.wait()
+    _wait_for_state(remaining, "ZX", within_s=5.0)  # SIGKILL is sent at once, but a process takes a moment to end
+
+
+def run_job(command: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)``, except that a job past
+    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        stop_job(process)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    """``torchrun --standalone`` on a ``.py`` script or a module name; ``launcher`` adds torchrun's own
+    options (``--max-restarts=1``)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher, f"--nproc_per_node={nproc}"]
+    command += [target] if target.endswith(".py") else ["-m", target]
+    return command + [str(a) for a in args]
+
+
+def launcher_environment(threads_per_rank: int) -> dict[str, str]:
+    """This process's environment for a fresh torchrun job: a launcher inside
+    a launched process must not inherit the outer job's rank variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
+    for var in LAUNCHER_VARIABLES:
+        env.pop(var, None)
+    return env
+
+
+def failure_reason(output: str) -> str:
+    """Why the torchrun job that wrote ``output`` failed, in one line (a lab that runs a job itself says it)."""
+    return _failure_reason(output.splitlines(keepends=True))
+
+
+def _failure_reason(lines: list[str]) -> str:
+    """Why a job failed, in one line, in the job's own words, never torchrun's report (its traceback, its
+    ``error_file: <N/A>``, its banner): a rank ended by a signal (torchrun's root cause); else the line its ranks
+    wrote about why (``distlab: error ...`` or ``distlab: rank ...``); else the exception a rank died of (the
+    root-cause rank's, as ``rank N: RuntimeError: ...``); else a script's refusal of its command line
+    (``...: error: ...``); else the job's last lines before torchrun's report."""
+    killed = _killed_rank(lines)
+    if killed:
+        return killed
+    ours = [line.strip() for line in lines if line.startswith(("distlab: error", "distlab: rank"))]
+    if ours:
+        return ours[0]
+    said = _ranks_output(lines)
+    root, _ = _root_cause(lines)
+    raised = [(m.group(1), m.group(2)) for m in map(EXCEPTION_LINE.match, said) if m]
+    if raised:
+        rank, line = next(((r, line) for r, line in raised if r == root), raised[0])
+        rank = rank if rank is not None else root
+        return _shorten((f"rank {rank}: " if rank is not None else "") + line)
+    refused = [line for line in said if ": error: " in line]
+    if refused:
+        return _shorten(refused[-1])
+    return _shorten(" | ".join(said[-6:])) or "no output"
+
+
+EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)(?::\s.*)?)$"
+)
+"""The last line of a Python traceback (``RuntimeError: ...``, ``torch.OutOfMemoryError: ...``), as a rank
+writes it: torch prefixes each line of a rank's traceback with ``[rankN]:`` once its process group exists."""
+LONGEST_REASON = 400
+
+
+def _shorten(line: str) -> str:
+    return line if len(line) <= LONGEST_REASON else line[: LONGEST_REASON - 3] + "..."
+
+
+def _root_cause(lines: list[str]) -> tuple[str | None, int | None]:
+    """The rank torchrun names as its root cause (the first to fail), and its exit code; None where there is no
+    such report."""
+    report = "".join(lines).rsplit("Root Cause (first observed failure):", 1)
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", report[-1], re.M) if len(report) == 2 else None
+    code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", report[-1], re.M) if rank else None
+    return (rank.group(1) if rank else None), (int(code.group(1)) if code else None)
+
+
+def _killed_rank(lines: list[str]) -> str | None:
+    """The rank torchrun names as the root cause, when a signal ended it: which rank and which signal,
+    and for SIGKILL, which the kernel's out-of-memory killer sends without a word, what to lower."""
+    rank, code = _root_cause(lines)
+    if code is None or code >= 0:
+        return None
+    number = -code
+    name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
+    if number == signal.SIGKILL:
+        return (
+            f"rank {rank} was killed by SIGKILL, most likely by the operating system for using too much "
+            "host memory: lower --batch-size (and --eval-batch-size), or shard the model (--strategy zero3 or fsdp)"
+        )
+    words = _ranks_output(lines)[-1:]
+    return f"rank {rank} was killed by {name}" + (f"; the job's last words: {words[0]}" if words else "")
+
+
+def _torchrun_traceback(lines: list[str], i: int) -> bool:
+    """Whether the traceback that starts at ``lines[i]`` is torchrun's own (its frames pass through torchrun:
+    ``torchrun``, or ``torch/distributed/run.py`` under ``python -m torch.distributed.run``), not a rank's."""
+    if not lines[i].startswith("Traceback"):
+        return False
+    for line in lines[i + 1 :]:
+        if not line.startswith((" ", "\t")):
+            return False
+        if "torchrun" in line or "distributed/run.py" in line:
+            return True
+    return False
+
+
+def _torchrun_report(lines: list[str], i: int) -> bool:
+    """Whether torchrun's failure report (a rule of ``=``, then ``<target> FAILED``) starts at ``lines[i]``."""
+    return lines[i].startswith("=====") and i + 1 < len(lines) and lines[i + 1].rstrip().endswith(" FAILED")
+
+
+def _ranks_output(lines: list[str]) -> list[str]:
+    """The job's non-empty lines before torchrun's own report of a failure (its log lines, its traceback, its
+    summary), stripped."""
+    kept = []
+    for i, line in enumerate(lines):
+        if _torchrun_traceback(lines, i) or _torchrun_report(lines, i):
+            break
+        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not _torchrun_noise(line):
+            kept.append(line.strip())
+    return kept
+
+
+def _torchrun_noise(line: str) -> bool:
+    """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
+    return (
+        "OMP_NUM_THREADS" in line
+        or line.rstrip().endswith("*****************************************")
+        or "site-packages/torch/distributed/run.py" in line
+    )
+
+
+RANK_START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"
+"""How ranks started from this process start. On Linux each rank is forked from a server process that imported
+torch and distlab once (a spawned rank spends seconds importing them again); not from this process, whose
+autograd threads a forked child cannot use. macOS and Windows spawn: fork is unsafe or absent there."""
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch._dynamo",  # FSDP's first fully_shard imports it (seconds): the server imports it once for every rank
+    "distlab.train",
+    "distlab.testing",
+    "distlab.exercises.trial",
+]
+"""What the one server imports before it forks a rank. One list for every caller: the server starts once per
+process, with the list set when it starts, so a second list would be silently ignored."""
+
+
+def rank_context():
+    """The multiprocessing context every rank started from this process comes from (see :data:`PRELOAD`)."""
+    context = mp.get_context(RANK_START_METHOD)
+    if RANK_START_METHOD == "forkserver":
+        context.set_forkserver_preload(PRELOAD)  # read once, when the server starts
+    return context
+
+
+def free_port() -> int:
+    """A port no socket holds now, for a launcher that binds it itself (torchrun's rendezvous endpoint). Ranks
+    started here meet at :func:`hosted_rendezvous` instead: a port chosen here and bound later by rank 0 can be
+    taken in between."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def hosted_rendezvous() -> Iterator[dict[str, str]]:
+    """The environment that ranks this process starts meet with: a store (``TCPStore``) that this process
+    hosts, on a port the kernel gives it, held until the ranks are done; every rank is its client, as under
+    torchrun, whose agent hosts the store the same way (``TORCHELASTIC_USE_AGENT_STORE``).
+
+    Why not a free port that rank 0 binds: the port is free only when it is chosen. Another socket can take it
+    before rank 0 binds it, a rank's own attempt to connect to it included (the kernel may give that attempt
+    the very port as its own, and it connects to itself), and then no rank starts."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store  # the server stops with its last reference
+
+
+def become_rank(rank: int, world_size: int, rendezvous: dict[str, str]) -> None:
+    """What every rank started from this process does first: take its place in the job's environment (as
+    torchrun's ranks find it), one thread (on 2 cores several ranks must not fight over threads), and a
+    fresh random seed, as a new process has, not the server's RNG state on every rank."""
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    if RANK_START_METHOD == "forkserver":
+        torch.seed()
+
+
+def _rank_entry(rank: int, world_size: int, rendezvous: dict[str, str], fn, args, out_dir: str) -> None:
+    become_rank(rank, world_size, rendezvous)
+    from .runtime import distributed
+
+    with distributed("cpu", timeout_s=120) as runtime:
+        value = fn(runtime, *args)  # what fn built (a DDP or FSDP model holds the group) is gone when it returns
+    torch.save(value, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """Run ``fn(runtime, *args)`` on ``world_size`` fresh gloo ranks (a group of their own, ended when ``fn``
+    returns) and return each rank's return value, in rank order. Assert in the caller, not on the ranks: a
+    failure inside a rank surfaces only as an opaque spawn error. :class:`RankPool` runs many such calls on
+    ranks started once."""
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
+    rank_context()  # sets the server's preload before mp.start_processes starts it
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(
+            _rank_entry,
+            args=(world_size, rendezvous, fn, args, str(out_dir)),
+            nprocs=world_size,
+            join=True,
+            start_method=RANK_START_METHOD,
+        )
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+GROUP_GRACE_S = 60.0
+"""How much longer than a :class:`RankPool` call's bound its ranks' collectives wait: the pool stops a call that
+hangs, and a rank whose caller is gone still ends."""
+
+
+class RankFailed(RuntimeError):
+    """A call on a :class:`RankPool` that raised on a rank, timed out or lost a rank; the pool is gone."""
+
+
+def _packed(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _pool_rank(rank: int, world_size: int, rendezvous: dict[str, str], connection, timeout_s: float) -> None:
+    """One rank of a :class:`RankPool`: join the group once, then run each call sent until told to stop.
+    A call runs as on a fresh rank of :func:`run_ranks`: a fresh seed, float32 by default, the group the
+    library's ``distributed()`` finds and leaves alone."""
+    become_rank(rank, world_size, rendezvous)
+    from .runtime import distributed
+
+    # the caller bounds each call (timeout_s); a collective waits longer, so a call that hangs is named as one
+    with distributed("cpu", timeout_s=timeout_s + GROUP_GRACE_S) as runtime:
+        connection.send_bytes(b"ready")
+        while (message := connection.recv_bytes()) != b"stop":
+            fn, args = _unpacked(message)
+            torch.seed()
+            try:
+                answer = ("value", fn(runtime, *args))
+            except BaseException as err:  # noqa: BLE001 - sent to the caller, which raises it there
+                answer = ("raised", f"rank {rank}: {''.join(traceback.format_exception(err)).rstrip()}")
+            finally:
+                torch.set_default_dtype(torch.float32)
+            connection.send_bytes(_packed(answer))
+
+
+class RankPool:
+    """``world_size`` gloo ranks started once and joined in one group, on which many calls run:
+    ``pool.run(fn, *args)`` runs ``fn(runtime, *args)`` on every rank and returns each rank's value, as
+    :func:`run_ranks` does, without starting processes and a group for each call (PyTorch's own
+    ``MultiProcContinuousTest`` keeps its processes the same way).
+
+    A call that raises on any rank, or does not end within ``timeout_s``, or loses a rank, stops every rank
+    and raises :class:`RankFailed` with each rank's own words: the group may be mid-collective, so the next
+    call starts a fresh pool. Tests that are about a group's lifetime, failures or timeouts use
+    :func:`run_ranks`, whose group is their own."""
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._ranks: list = []
+        self._connections: list = []
+        self._rendezvous = None
+
+    def _start(self) -> None:
+        context = rank_context()
+        self._rendezvous = hosted_rendezvous()
+        rendezvous = self._rendezvous.__enter__()
+        for rank in range(self.world_size):
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=_pool_rank, args=(rank, self.world_size, rendezvous, theirs, self.timeout_s), daemon=True
+            )
+            process.start()
+            theirs.close()
+            self._ranks.append(process)
+            self._connections.append(mine)
+        self._collect("start", lambda data: data)
+
+    def _collect(self, what: str, read) -> list:
+        """Each rank's answer, in rank order, within the pool's time; a rank that says nothing in time or ends
+        stops the pool."""
+        answers, deadline = [], time.monotonic() + self.timeout_s
+        for rank, (process, connection) in enumerate(zip(self._ranks, self._connections)):
+            failure = None
+            while failure is None and not connection.poll(0.05):
+                if not process.is_alive():
+                    failure = "ended"
+                elif time.monotonic() > deadline:
+                    failure = f"gave no answer within {self.timeout_s:g} s"
+            if failure is None:
+                try:
+                    answers.append(read(connection.recv_bytes()))
+                    continue
+                except (EOFError, OSError):  # it ended while answering, or before
+                    process.join(5)
+                    failure = "ended"
+            if failure == "ended":
+                failure = f"ended (exit code {process.exitcode})"
+            self.close(wait=False)
+            raise RankFailed(f"{what}: rank {rank} {failure}")
+        return answers
+
+    def run(self, fn, *args) -> list:
+        """``fn(runtime, *args)`` on every rank (``fn`` importable, as for :func:`run_ranks`); each rank's value."""
+        if not self._ranks:
+            self._start()
+        message = _packed((fn, args))
+        for connection in self._connections:
+            connection.send_bytes(message)
+        answers = self._collect(fn.__name__, _unpacked)
+        raised = [words for kind, words in answers if kind == "raised"]
+        if raised:
+            self.close(wait=False)
+            raise RankFailed(f"{fn.__name__} raised on {len(raised)} of {self.world_size} ranks:\n" + "\n".join(raised))
+        return [value for _, value in answers]
+
+    def close(self, wait: bool = True) -> None:
+        """Stop every rank and the store: each leaves its group when asked, and one that does not within 10 s is
+        killed. After a failed call (``wait=False``) the group may be mid-collective: every rank is killed at once."""
+        for connection in self._connections:
+            try:
+                connection.send_bytes(b"stop")
+            except OSError:
+                pass
+        for process in self._ranks:
+            process.join(10 if wait else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self._connections:
+            connection.close()
+        if self._rendezvous is not None:
+            self._rendezvous.__exit__(None, None, None)
+        self._ranks, self._connections, self._rendezvous = [], [], None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
