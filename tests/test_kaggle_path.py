@@ -117,3 +117,15 @@ def test_k7_on_kaggle_a_failed_mnist_download_names_kaggles_internet_setting(mon
     with pytest.raises(DistlabError, match="Settings > Internet on") as raised:
         data._fetch_or_explain("mnist", str(tmp_path), runtime, download=True)
     assert "--data-dir" not in str(raised.value)
+
+
+def test_k4_cis_kaggle_stack_runs_the_notebook_stack_kaggles_image_carries():
+    """K4: CI pinned ipykernel alone, so its Kaggle stack played the labs on the newest IPython (9) and
+    jupyter_client (8); Kaggle's image carries IPython 7.34, whose handling of %%writefile, `!` lines and
+    _exit_code the labs rely on. Every package Kaggle's image fixes for a lab is pinned to its version."""
+    pins = dict(
+        line.split("==") for line in (ROOT / ".ci" / "kaggle-requirements.txt").read_text().splitlines() if "==" in line
+    )
+    kaggles = {"ipython": "7.34.0", "ipykernel": "6.17.1", "jupyter_client": "7.4.9", "nbclient": "0.5.13",
+               "numpy": "2.4.6", "matplotlib": "3.10.0", "torch": "2.10.0", "torchvision": "0.25.0"}  # fmt: skip
+    assert {name: pins.get(name) for name in kaggles} == kaggles
