@@ -28,11 +28,11 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     return None
 
 
+_LEFT_OUT = pytest.StashKey[Counter]()
+
+
 def pytest_configure(config) -> None:
     config.stash[_LEFT_OUT] = Counter()
-
-
-_LEFT_OUT = pytest.StashKey[Counter]()
 
 
 def pytest_deselected(items) -> None:
@@ -61,20 +61,16 @@ def tiny_mnist(tmp_path: Path) -> Path:
     return write_tiny_mnist(tmp_path / "data")
 
 
-def _pool(world_size: int):
-    pool = RankPool(world_size)
-    yield pool
-    pool.close()
-
-
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks started once for the session: ``ranks2.run(fn, *args)`` runs ``fn(runtime, *args)`` on
     both and returns each rank's value (:class:`distlab.jobs.RankPool`)."""
-    yield from _pool(2)
+    with RankPool(2) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks3():
     """Three gloo ranks started once for the session (uneven shards), as :func:`ranks2`."""
-    yield from _pool(3)
+    with RankPool(3) as pool:
+        yield pool

@@ -144,7 +144,7 @@ def test_ranks_that_cannot_meet_say_why_in_one_line(monkeypatch):
     from contextlib import contextmanager
 
     from distlab.exercises import grader
-    from distlab.testing import free_port
+    from distlab.jobs import free_port
 
     @contextmanager
     def nobody_serves():  # the ranks are told of a store that no process hosts

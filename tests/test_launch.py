@@ -254,7 +254,7 @@ def test_ranks_meet_at_a_store_their_launcher_holds_so_no_other_socket_can_take_
 
     import torch.distributed as dist
 
-    from distlab.testing import hosted_rendezvous, run_ranks
+    from distlab.jobs import hosted_rendezvous, run_ranks
 
     with hosted_rendezvous() as rendezvous:
         port = int(rendezvous["MASTER_PORT"])

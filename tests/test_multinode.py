@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from distlab.jobs import free_port
 from distlab.labs.launch import launcher_environment, torchrun_command
-from distlab.testing import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -393,12 +393,11 @@ class RankPool:
         self.world_size, self.timeout_s = world_size, timeout_s
         self._ranks: list = []
         self._connections: list = []
-        self._rendezvous = None
+        self._store = ExitStack()  # the rendezvous store, held while the ranks live
 
     def _start(self) -> None:
         context = rank_context()
-        self._rendezvous = hosted_rendezvous()
-        rendezvous = self._rendezvous.__enter__()
+        rendezvous = self._store.enter_context(hosted_rendezvous())
         for rank in range(self.world_size):
             mine, theirs = context.Pipe()
             process = context.Process(
@@ -463,9 +462,8 @@ class RankPool:
                 process.join()
         for connection in self._connections:
             connection.close()
-        if self._rendezvous is not None:
-            self._rendezvous.__exit__(None, None, None)
-        self._ranks, self._connections, self._rendezvous = [], [], None
+        self._store.close()
+        self._ranks, self._connections = [], []
 
     def __enter__(self) -> RankPool:
         return self

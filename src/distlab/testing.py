@@ -16,14 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .jobs import (  # noqa: F401 - the runner's names the tests and scripts reach here, beside the fixtures
-    RankFailed,
+from .jobs import (
     RankPool,
-    free_port,
-    hosted_rendezvous,
     launcher_environment,
     run_job,
-    run_ranks,
+    run_ranks,  # noqa: F401 - the tests reach fresh ranks here, beside the pool's run_entry
     torchrun_command,
 )
 from .models import MnistCNN, reset_module
