@@ -223,65 +223,85 @@ def report_markdown(report: dict) -> str:
     copies, and what did not run and why. Every number is labelled with the hardware it was measured on, and
     every sweep row with its regime: its ranks (one rank sends nothing) and its predicted compute over its fixed
     costs, a launch-bound row saying that it measures the host."""
-    summary, where = report.get("summary", {}), label(report)
+    summary = report.get("summary", {})
+    blocks = _heading_blocks(report) + _sweep_blocks(summary.get("sweep", []))
+    blocks += _measured_tables(summary)
+    blocks += _what_did_not_run(report)
+    return "\n\n".join(blocks)
+
+
+def _heading_blocks(report: dict) -> list[str]:
+    """Where and when it was measured, and which code ran."""
     kind = ", quick report" if is_quick(report) else ""
-    blocks = [f"**Measured on {where}** ({report['environment']['date'][:10]}{kind})"]
+    blocks = [f"**Measured on {label(report)}** ({report['environment']['date'][:10]}{kind})"]
     provenance = report.get("provenance")
     if provenance:
         changes = "; ".join(provenance["changes"])
         blocks.append(f"*Code that ran*: {provenance['code']}, with {changes}. {provenance['says']}")
-    sweep = summary.get("sweep", [])
-    if sweep:
-        if all(r["ranks"] == 1 for r in sweep):
-            blocks.append(
-                "One rank: nothing is sent between ranks, so these rows measure what each strategy costs around the "
-                "same arithmetic, not its communication. A row whose fixed costs are predicted to outweigh its "
-                "arithmetic is launch-bound: it measures the host (Python, launches, hooks) more than the GPU; one "
-                f"whose predicted compute is under {COMPUTE_DOMINATED:.0f}x its fixed costs may still show the host."
-            )
-        rows = [
-            [
-                _point(r),
-                r["variant"],
-                _ranks(r),
-                f"{1e3 * r['measured_s']:.1f}",
-                _rate(r),
-                "" if r.get("compute_over_fixed") is None else f"{r['compute_over_fixed']:.2g}x",
-                _left_out_ms(r),
-                _model_ms(r),
-                _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
-                _mib(r.get("counted_peak")),
-                _cuda(r, "cuda_max_allocated"),
-                _cuda(r, "cuda_max_reserved"),
-            ]
-            for r in sweep
-        ]
+    return blocks
+
+
+def _sweep_blocks(sweep: list[dict]) -> list[str]:
+    """Each strategy's step against the models, with its regime and the caveats its numbers need."""
+    if not sweep:
+        return []
+    blocks = []
+    if all(r["ranks"] == 1 for r in sweep):
         blocks.append(
-            _table(
-                [
-                    "preset, tokens per rank",
-                    "strategy",
-                    "ranks",
-                    "measured ms",
-                    "achieved TFLOP/s (share of the cited peak)",
-                    "compute / fixed costs, PREDICTED",
-                    "cost model ms, this point left out of its fit (error)",
-                    "fit ms, every point of the run in it, this one too (error)",
-                    "PREDICTED ms from cited specs (arithmetic, optimizer, collectives; no fixed costs)",
-                    "counted MiB",
-                    "CUDA max allocated MiB",
-                    "CUDA max reserved MiB",
-                ],
-                rows,
-            )
+            "One rank: nothing is sent between ranks, so these rows measure what each strategy costs around the "
+            "same arithmetic, not its communication. A row whose fixed costs are predicted to outweigh its "
+            "arithmetic is launch-bound: it measures the host (Python, launches, hooks) more than the GPU; one "
+            f"whose predicted compute is under {COMPUTE_DOMINATED:.0f}x its fixed costs may still show the host."
         )
-        blocks += _model_errors(sweep)
-        if any(r.get("cuda_alone") is False for r in sweep):
-            blocks.append(
-                "CUDA's counters in this sweep are the whole process's: it built every strategy and a calibration "
-                "copy at once, so they are not each strategy's own (the counted bytes are). Later sweeps take each "
-                "strategy's peak with that strategy alone."
-            )
+    rows = [
+        [
+            _point(r),
+            r["variant"],
+            _ranks(r),
+            f"{1e3 * r['measured_s']:.1f}",
+            _rate(r),
+            "" if r.get("compute_over_fixed") is None else f"{r['compute_over_fixed']:.2g}x",
+            _left_out_ms(r),
+            _model_ms(r),
+            _range(r.get("predicted_s")) if r.get("predicted_s") or not r.get("unpredicted") else r["unpredicted"],
+            _mib(r.get("counted_peak")),
+            _cuda(r, "cuda_max_allocated"),
+            _cuda(r, "cuda_max_reserved"),
+        ]
+        for r in sweep
+    ]
+    blocks.append(
+        _table(
+            [
+                "preset, tokens per rank",
+                "strategy",
+                "ranks",
+                "measured ms",
+                "achieved TFLOP/s (share of the cited peak)",
+                "compute / fixed costs, PREDICTED",
+                "cost model ms, this point left out of its fit (error)",
+                "fit ms, every point of the run in it, this one too (error)",
+                "PREDICTED ms from cited specs (arithmetic, optimizer, collectives; no fixed costs)",
+                "counted MiB",
+                "CUDA max allocated MiB",
+                "CUDA max reserved MiB",
+            ],
+            rows,
+        )
+    )
+    blocks += _model_errors(sweep)
+    if any(r.get("cuda_alone") is False for r in sweep):
+        blocks.append(
+            "CUDA's counters in this sweep are the whole process's: it built every strategy and a calibration "
+            "copy at once, so they are not each strategy's own (the counted bytes are). Later sweeps take each "
+            "strategy's peak with that strategy alone."
+        )
+    return blocks
+
+
+def _measured_tables(summary: dict) -> list[str]:
+    """The collectives' bandwidth, the copies, FSDP2's options and BatchNorm under DDP, each where measured."""
+    blocks = []
     collectives = summary.get("collectives", [])
     if collectives:
         rows = [
@@ -333,6 +353,12 @@ def report_markdown(report: dict) -> str:
     if batch_norm:
         rows = [[name, _difference(row)] for name, row in batch_norm.items()]
         blocks.append(_table(["under DDP", "against one process on the whole batch"], rows))
+    return blocks
+
+
+def _what_did_not_run(report: dict) -> list[str]:
+    """The parts that failed, with why, and those not run, with why."""
+    blocks = []
     failed = failed_parts(report)
     if failed:
         why = (report.get("provenance") or {}).get("failed", {})
@@ -343,7 +369,7 @@ def report_markdown(report: dict) -> str:
     skipped = [part for part in report["parts"] if part["status"] == "skipped"] + not_run
     if skipped:
         blocks.append("Not run: " + "; ".join(f"{p.get('name') or p.get('what')} ({p['reason']})" for p in skipped))
-    return "\n\n".join(blocks)
+    return blocks
 
 
 def _difference(row: dict) -> str:

@@ -1,4 +1,4 @@
-"""The course's first GPU run (one H200, ../shared/gpu-runs/2026-11-27-h200) failed where no CPU run could.
+"""The course's first GPU run (one H200, 2026-11-27, at commit af2257a) failed where no CPU run could.
 Each test here follows one of those failures on the CPU, up to the call that needs a GPU, and fails on the code
 that ran there (af2257a) for the reason the GPU run failed. The library is imported inside the tests, so that
 they run, and fail, against that code too.
