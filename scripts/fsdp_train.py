@@ -253,7 +253,10 @@ def train(args, device: torch.device) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda)
+    # drop_last: every step a whole batch, as distlab.train takes them (MNIST's 30,000 images a rank leave 48)
+    loader = DataLoader(
+        train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda, drop_last=True
+    )
     steps = min(len(loader), args.max_steps or len(loader))
     if rank == 0:
         where = f"{world} x {device.type}, {dist.get_backend()}"

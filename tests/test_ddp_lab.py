@@ -32,7 +32,7 @@ def runs(tmp_path_factory) -> dict:
     stopped, then resumed from its checkpoint for the third. The test set has an odd size (41), so two ranks
     cannot split it evenly: a DistributedSampler would pad it with a repeated sample."""
     out = tmp_path_factory.mktemp("ddp-lab")
-    data = write_tiny_mnist(out / "data", test_size=41)
+    data = write_tiny_mnist(out / "data", train_size=100, test_size=41)  # 50 a rank: a partial batch, as MNIST has
     common = ["--dataset", "mnist", "--data-dir", str(data), "--batch-size", "16", "--num-workers", "0", "--seed", "3"]
     script = (str(SCRIPT), *common, "--checkpoint", str(out / "checkpoint.pt"))
     library = ["--strategy", "ddp", "--model", "cnn", "--device", "cpu", "--run-name", "library", "--log-every", "-1"]
@@ -62,7 +62,7 @@ def test_the_script_and_its_resumed_run_train_exactly_like_distlab_train(runs):
     theirs = runs["library"]["metrics"]["epochs"]
     assert [e["epoch"] for e in ours] == [e["epoch"] for e in theirs] == [1, 2, 3]
     for a, b in zip(ours, theirs, strict=True):
-        assert len(a["step_loss"]) == len(b["step_loss"]) == 3  # 96 images / (2 ranks x 16)
+        assert len(a["step_loss"]) == len(b["step_loss"]) == 3  # 50 images a rank: 3 batches of 16, 2 dropped
         assert a["step_loss"] == pytest.approx(b["step_loss"], rel=1e-6)
         for key in ("train_loss", "train_accuracy", "test_loss", "test_accuracy"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), key

@@ -1,8 +1,10 @@
 """MNIST's files for a machine without network: a stand-in that torchvision's own ``MNIST`` class reads.
 
 The GPU tier and ``scripts/play_labs.py --offline-data`` play the labs on it. The labs' GPU branch takes batches
-of 128 (512 for the DDP lab's large batch) on each of two ranks, so the stand-in holds 2,048 training images: 8
-batches of 128 a rank, 2 of 512 (the first GPU run's size; lab 0 played in 60 s on one H200).
+of 128 (512 for the DDP lab's large batch) on each of two ranks, so the stand-in holds 2,100 training images: 1,050
+a rank, 8 batches of 128 and 26 left over, 2 of 512 and 26 left over. Real MNIST's 30,000 a rank leave a partial
+batch too (48 at 128), and a loader that keeps it takes one step more than ``distlab.train``, which drops it: so
+the stand-in is not a multiple of any lab's batch, and a lab played on it meets that difference.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from ..testing import write_tiny_mnist
 
-TRAIN_IMAGES, TEST_IMAGES = 2048, 512
+TRAIN_IMAGES, TEST_IMAGES = 2100, 512
 
 
 def write_offline_mnist(root: str | Path) -> Path:
