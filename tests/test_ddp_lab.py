@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +21,26 @@ LAB = ROOT / "notebooks" / "lab_ddp_mnist.ipynb"
 
 def test_the_lab_writes_the_script_byte_for_byte():
     assert written_file(LAB, "ddp_train.py") == SCRIPT.read_text()
+
+
+# The two lab scripts are standalone on purpose (a learner copies one file), so what they share is written twice:
+# these functions must stay the same in both, but for the script's own name in its messages.
+SHARED_WITH_THE_FSDP_SCRIPT = ("default_device", "device_and_backend", "compute_dtype", "environment")
+
+
+def _functions(path: Path) -> dict[str, str]:
+    source = path.read_text()
+    tree = ast.parse(source)
+    named = {node.name: ast.get_source_segment(source, node) for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return {name: text.replace(path.name, "<script>") for name, text in named.items()}
+
+
+def test_what_the_two_lab_scripts_share_is_the_same_in_both():
+    ddp, fsdp = _functions(SCRIPT), _functions(SCRIPT.with_name("fsdp_train.py"))
+    for name in SHARED_WITH_THE_FSDP_SCRIPT:
+        assert ddp[name] == fsdp[name], f"{name} differs between ddp_train.py and fsdp_train.py"
+    loader = [line.strip() for line in ddp["train"].splitlines() if "DataLoader(" in line or "drop_last=True" in line]
+    assert loader and all(line in fsdp["train"] for line in loader), loader
 
 
 def _ok(job) -> None:
