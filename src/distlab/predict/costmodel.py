@@ -116,11 +116,6 @@ class CollectiveModel:
     def time_s(self, size: float) -> float:
         return self.alpha_s + size * self.beta_s_per_byte
 
-    @property
-    def bus_GBps(self) -> float:
-        """The bandwidth the fit implies, nccl-tests' way (bytes a ring sends per rank over the time)."""
-        return math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte / 1e9
-
     @classmethod
     def fit(cls, rows: Sequence[dict], collective: str, impl: str) -> CollectiveModel:
         points = [(r["bytes"], r["time_s"]) for r in rows if r["collective"] == collective and r["impl"] == impl]
