@@ -109,9 +109,10 @@ None reduces in ``param_dtype`` (``"torch"``: FULL_SHARD sends 2 + 2 x 2 = 6 B a
 three quarters), the course's ``reduce_dtype=torch.float32`` in fp32 (``"course"``: 4 + 2 x 2 = 8, DDP's bytes);
 the same pairs as :data:`distlab.predict.gpu_predictions.POLICIES`. ``"zero-paper"`` is the ZeRO paper's
 accounting (Rajbhandari et al., 2020), which the chapters cite: 16-bit parameters and gradients, fp32
-master weights and moments in the optimizer state (2 + 2 + 12 B), every collective in 16 bits, as DeepSpeed's ZeRO
-does not reproduce DeepSpeed's own estimators; torch's DDP and FSDP2 do not hold it either. A DDP row under it is
-that accounting applied to DDP's buckets.
+master weights and moments in the optimizer state (2 + 2 + 12 B), every collective in 16 bits. It is the paper's
+alone: DeepSpeed keeps an fp32 gradient partition besides, and its own estimators count 13-22 % more
+(``"deepspeed"``); torch's DDP and FSDP2 do not hold it either. A DDP row under it is that accounting applied to
+DDP's buckets.
 
 ``"deepspeed"`` is what DeepSpeed's estimators count with no offload on one node (deepspeedai/DeepSpeed edaa722):
 ``estimate_zero2_model_states_mem_needs`` (``deepspeed/runtime/zero/stage_1_and_2.py:3081-3098``) gives
