@@ -25,12 +25,23 @@
   /* distlab.predict.calculator.PRECISIONS, each one setup whole: `state`, the precision of BYTES_PER_VALUE the
    * state at rest is held in (DDP and ZeRO-1/2 also send it in those dtypes); FSDP2's `fsdp_gather` (param_dtype,
    * on its all-gathers and in its gathered units) and `fsdp_reduce` (reduce_dtype, on its reduce-scatters), bytes
-   * per value; `activations`, "fp32" where they are doubled. The labels are the page's <option>s. */
+   * per value; `activations`, "fp32" where they are doubled; `fp32_gradients`, bytes per value stepped of
+   * DeepSpeed's fp32 gradient partition, and `zero3_16bit_gradients` false where under ZeRO-3 that partition is
+   * the only gradient kept. The labels are the page's <option>s. */
+  const PLAIN = { fp32_gradients: 0, zero3_16bit_gradients: true };
   const PRECISIONS = {
-    torch: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit" },
-    course: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 4, activations: "16-bit" },
-    fp32: { state: "fp32", fsdp_gather: 4, fsdp_reduce: 4, activations: "fp32" },
-    "zero-paper": { state: "mixed", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit" },
+    torch: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit", ...PLAIN },
+    course: { state: "fp32", fsdp_gather: 2, fsdp_reduce: 4, activations: "16-bit", ...PLAIN },
+    fp32: { state: "fp32", fsdp_gather: 4, fsdp_reduce: 4, activations: "fp32", ...PLAIN },
+    "zero-paper": { state: "mixed", fsdp_gather: 2, fsdp_reduce: 2, activations: "16-bit", ...PLAIN },
+    deepspeed: {
+      state: "mixed",
+      fsdp_gather: 2,
+      fsdp_reduce: 2,
+      activations: "16-bit",
+      fp32_gradients: 4,
+      zero3_16bit_gradients: false,
+    },
   };
   const DEFAULT_PRECISION = "torch";
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
@@ -47,6 +58,9 @@
     { label: "FSDP SHARD_GRAD_OP", stage: 3, keepsGathered: true },
   ];
   const TRANSFORMER_FIELDS = ["hidden", "heads", "seq_len", "micro_batch"];
+  // distlab.predict.calculator.ATTENTION: fused attention stores no s^2 scores (the default); eager does.
+  const ATTENTION = ["fused", "eager"];
+  const DEFAULT_ATTENTION = "fused";
 
   // Exact for the whole numbers this page meets (below 2**53): the float quotient is corrected.
   function ceilDiv(a, b) {
@@ -62,7 +76,7 @@
 
   function check(inputs) {
     const { parameters, gpus, memory_gib, precision, optimizer, activations_gib, shard_units } = inputs;
-    const { transformer } = inputs;
+    const { transformer, largest_unit } = inputs;
     if (!isWhole(parameters) || parameters < 1) throw new Error("the model needs at least 1 parameter, a whole number");
     if (!isWhole(gpus) || gpus < 1) throw new Error("GPUs must be a whole number of at least 1");
     if (!(memory_gib > 0)) throw new Error("memory per GPU must be positive");
@@ -74,19 +88,27 @@
     if (!isWhole(shard_units) || shard_units < 1 || shard_units > parameters) {
       throw new Error("shard units must be a whole number from 1 to the number of parameters");
     }
+    if (largest_unit != null && (!isWhole(largest_unit) || largest_unit < 1)) {
+      throw new Error("the largest unit must be at least 1 parameter, a whole number, or none");
+    }
     if (transformer != null) {
       for (const name of TRANSFORMER_FIELDS) {
         if (!isWhole(transformer[name]) || transformer[name] < 1) {
           throw new Error(`the transformer's ${name} must be a whole number of at least 1`);
         }
       }
+      if (!ATTENTION.includes(transformer.attention ?? DEFAULT_ATTENTION)) {
+        throw new Error(`the transformer's attention must be one of ${ATTENTION.join(", ")}`);
+      }
     }
   }
 
-  /* distlab.predict.calculator.layer_activation_bytes: Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) bytes a
-   * layer keeps in 16-bit training, or 2*s*b*h with full recomputation. */
-  function layerActivationBytes({ hidden: h, heads: a, seq_len: s, micro_batch: b, recompute }) {
-    return recompute ? 2 * s * b * h : 34 * s * b * h + 5 * a * s * s * b;
+  /* distlab.predict.calculator.layer_activation_bytes: 34*s*b*h bytes a layer keeps in 16-bit training with
+   * fused attention, Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) with eager attention, or 2*s*b*h with full
+   * recomputation. */
+  function layerActivationBytes({ hidden: h, heads: a, seq_len: s, micro_batch: b, recompute, attention }) {
+    if (recompute) return 2 * s * b * h;
+    return 34 * s * b * h + ((attention ?? DEFAULT_ATTENTION) === "eager" ? 5 * a * s * s * b : 0);
   }
 
   // distlab.predict.calculator.Inputs.activations: typed GiB, or the formula for shard_units layers (doubled in fp32).
@@ -100,7 +122,7 @@
    * peak, the bytes it sends in one step, and those over DDP's. */
   function withDefaults(inputs) {
     const defaults = { precision: DEFAULT_PRECISION, optimizer: "adam", activations_gib: 0, shard_units: 32 };
-    return { ...defaults, transformer: null, ...inputs };
+    return { ...defaults, transformer: null, largest_unit: null, ...inputs };
   }
 
   function distlabMemoryPerRank(inputs) {
@@ -110,16 +132,20 @@
   }
 
   function rowsFor(full) {
-    const { parameters, gpus: n, memory_gib, optimizer, shard_units } = full;
+    const { parameters, gpus: n, memory_gib, optimizer, shard_units, largest_unit } = full;
     const precision = PRECISIONS[full.precision];
     const perValue = BYTES_PER_VALUE[`${optimizer},${precision.state}`];
     const stepBytes = STEP_COUNTER_BYTES[optimizer];
-    // distlab.predict.calculator.equal_units: `larger` units of size+1 values, the rest of `size`, an empty root.
-    const size = Math.floor(parameters / shard_units);
-    const larger = parameters - size * shard_units;
-    const unitShard = (values) => ceilDiv(values, n); // FSDP2 pads each unit's dim 0 to a multiple of n
-    const fsdpShard = larger * unitShard(size + 1) + (shard_units - larger) * unitShard(size);
-    const largestGathered = unitShard(larger > 0 ? size + 1 : size) * n;
+    /* distlab.predict.calculator.model_units: with a largest unit, first one unit of that many values (at most
+     * what leaves one value to each other unit); then equal_units: `larger` units of size+1 values, the rest of
+     * `size`, an empty root. */
+    const first = largest_unit != null && shard_units > 1 ? Math.min(largest_unit, parameters - (shard_units - 1)) : 0;
+    const equalUnits = first > 0 ? shard_units - 1 : shard_units;
+    const size = Math.floor((parameters - first) / equalUnits);
+    const larger = parameters - first - size * equalUnits;
+    const unitShard = (values) => (values > 0 ? ceilDiv(values, n) : 0); // FSDP2 pads each unit's dim 0 to n's multiple
+    const fsdpShard = unitShard(first) + larger * unitShard(size + 1) + (equalUnits - larger) * unitShard(size);
+    const largestGathered = Math.max(unitShard(first), unitShard(larger > 0 ? size + 1 : size)) * n;
     const flatShard = ceilDiv(parameters, n); // zero1/zero2: one flat buffer (one bucket) padded to a multiple of n
     const activations = activationBytes(full);
 
@@ -143,12 +169,17 @@
         values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
         const gatherBytes = precision.fsdp_gather;
         gathered = (keepsGathered ? fsdpShard * n : largestGathered) * gatherBytes;
+        // the largest unit's whole gradient before its reduce-scatter, and its source while cast to a wider dtype
+        const castFrom = precision.fsdp_reduce !== gatherBytes ? gatherBytes : 0;
+        buckets = largestGathered * (precision.fsdp_reduce + castFrom);
         sent = (n - 1) * fsdpShard * (precision.fsdp_reduce + (keepsGathered ? 1 : 2) * gatherBytes);
       }
+      // DeepSpeed's fp32 gradient partition, one value per value stepped; under its ZeRO-3 the only gradient kept
+      const sixteenBit = stage === 3 && !precision.zero3_16bit_gradients ? 0 : values[1] * perValue[1];
       const row = {
         strategy: label,
         parameters: values[0] * perValue[0],
-        gradients: values[1] * perValue[1],
+        gradients: values[2] * precision.fp32_gradients + sixteenBit,
         optimizer_state: values[2] * perValue[2] + values[3] * stepBytes,
         buckets,
         gathered,
@@ -215,13 +246,14 @@
       optimizer: form.elements.optimizer.value,
       activations_gib: number("activations_gib"),
       shard_units: number("shard_units"),
+      largest_unit: number("largest_millions") > 0 ? Math.round(number("largest_millions") * 1e6) : null,
       transformer: form.elements.activations_from.value === "formula" ? readTransformer(form, number) : null,
     };
   }
 
   // The layer Korthikanti et al.'s formula counts; its inputs are shown only when the formula is chosen.
   function readTransformer(form, number) {
-    const layer = { recompute: form.elements.recompute.checked };
+    const layer = { recompute: form.elements.recompute.checked, attention: form.elements.attention.value };
     for (const name of TRANSFORMER_FIELDS) layer[name] = number(name);
     return layer;
   }

@@ -1,10 +1,12 @@
-"""Timing conventions every benchmark shares (those of nccl-tests), and the one guard of those that need a GPU.
+"""Timing conventions every benchmark shares, and the one guard of those that need a GPU.
 
-Warm up, then repeat. Variants take turns within each repetition
-(round-robin), so a machine that speeds up or slows down affects all of them
-alike. Ranks start each timed call together (a barrier), and a call's time
-is its slowest rank's: a collective ends when its last rank does. Report the
-median and the quartiles.
+The bandwidths a benchmark reports are nccl-tests' (``doc/PERFORMANCE.md``): algbw is the bytes of the
+tensor over the time, busbw algbw times the collective's ring factor. The timing is the course's own, not
+nccl-tests': nccl-tests times a loop of back-to-back calls and averages the per-call time over ranks,
+while here each call is timed alone. Warm up, then repeat. Variants take turns within each repetition
+(round-robin), so a machine that speeds up or slows down affects all of them alike. Ranks start each
+timed call together (a barrier), and a call's time is its slowest rank's: a collective ends when its last
+rank does. Report the median and the quartiles of the repetitions.
 """
 
 from __future__ import annotations

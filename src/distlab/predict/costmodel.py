@@ -116,11 +116,6 @@ class CollectiveModel:
     def time_s(self, size: float) -> float:
         return self.alpha_s + size * self.beta_s_per_byte
 
-    @property
-    def bus_GBps(self) -> float:
-        """The bandwidth the fit implies, nccl-tests' way (bytes a ring sends per rank over the time)."""
-        return math.inf if self.beta_s_per_byte == 0 else 1 / self.beta_s_per_byte / 1e9
-
     @classmethod
     def fit(cls, rows: Sequence[dict], collective: str, impl: str) -> CollectiveModel:
         points = [(r["bytes"], r["time_s"]) for r in rows if r["collective"] == collective and r["impl"] == impl]
@@ -269,7 +264,8 @@ def predict_peak_bytes(
 
     * start of backward: every activation (``activations``, their high-water mark, measured once for
       the model and batch), the units still gathered, and what a sharding strategy is reducing: ZeRO-2's
-      one bucket of whole gradients, or ZeRO-3's and FSDP2's one unit's gradient or all-gather buffer;
+      one bucket of whole gradients, or ZeRO-3's and FSDP2's one unit's gradient or all-gather buffer
+      (``in_flight``; an empty root, whose unit holds nothing, is still the root: the last unit of ``units``);
     * during backward, where gradients pile up whole beside DDP's buckets: ``backward_extra``, the
       gradients and activations alive together at that moment, measured once with no communication at all
       (ZeRO-1 copies each gradient into its kept flat buffer as it arrives: nothing piles up);
@@ -281,13 +277,12 @@ def predict_peak_bytes(
     whole_gradients = parameters * value_bytes
     # torch DDP's buckets (allocated on one rank too), beside the gradients; ZeRO-1's flat gradients, instead
     buckets = whole_gradients if variant == "ddp" else state["gradients"] if variant == "zero1" else 0
-    sharded_units = [u for u in units if u]
-    gathered = expected_gathered_bytes(variant, n, sharded_units, value_bytes)
+    gathered = expected_gathered_bytes(variant, n, units, value_bytes)  # the root last, even empty
     if strategy == "zero2":
         bucket = max(_flat_bytes(b, n, False, value_bytes) for b in gradient_buckets([s for u in units for s in u]))
         in_flight = bucket  # allocated at its first gradient; its slice comes once activations have gone
-    elif strategy in ("zero3", "fsdp"):
-        in_flight = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in sharded_units[:-1]), default=0)
+    elif strategy in ("zero3", "fsdp"):  # an empty unit's is 0
+        in_flight = max((_flat_bytes(u, n, strategy == "fsdp", value_bytes) for u in units[:-1]), default=0)
     else:
         in_flight = 0
     kept = state["parameters"] + state["optimizer_state"] + buckets
@@ -296,7 +291,8 @@ def predict_peak_bytes(
         "backward": kept + backward_extra if strategy == "ddp" else 0,
         "optimizer_step": kept + (state["gradients"] if strategy != "zero1" else 0),
     }
-    return {"peak": max(moments.values()), **moments, **state, "gathered": gathered, "buckets": buckets}
+    parts = {"gathered": gathered, "buckets": buckets, "in_flight": in_flight}
+    return {"peak": max(moments.values()), **moments, **state, **parts}
 
 
 def relative_error(predicted: float, measured: float) -> float:
