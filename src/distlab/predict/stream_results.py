@@ -194,6 +194,56 @@ def error_summary(rows: list[dict], key: str, at_least: int = 0) -> dict:
     return {"rows": len(found), "mean_abs": mean, "max_abs": abs(worst[f"{key}_error"]), "worst": worst}
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def error_claims(record: dict, rank: int = 0, host: dict | None = None, at_least: int = 1 << 20) -> dict | None:
+    """What the chapter says of the model's errors on one GPU transfer result (``rank``, ``host`` as in
+    :func:`bandwidth_table`), as numbers, and why the worst copy left out misses, where the data say why.
+
+    * ``rows``: :func:`bandwidth_table`;
+    * ``fit`` and ``held_out``: :func:`error_summary` of the copies of ``at_least`` bytes and more, fitted with the
+      two host terms (in-sample) and with each size left out of its own fit;
+    * ``small_fit`` and ``small_held_out``: the same for the smaller copies;
+    * ``cache_bytes``: the cache threshold fitted on the whole run (``"fit"``) and with the worst left-out copy's
+      size left out (``"held_out"``);
+    * ``why``: where the whole run's threshold keeps that size in the caches and the threshold found without it
+      falls below it, a sentence saying so: left out, the model stages that source at the DRAM rate. Otherwise
+      empty.
+
+    None where the result cannot be predicted (no copies, or no host staging rate)."""
+    rows = bandwidth_table(record, rank, host)
+    if not rows:
+        return None
+    large = [r for r in rows if r["bytes"] >= at_least]
+    small = [r for r in rows if r["bytes"] < at_least]
+    out = {
+        "rows": rows,
+        "fit": error_summary(large, "after"),
+        "held_out": error_summary(large, "held_out"),
+        "small_fit": error_summary(small, "after"),
+        "small_held_out": error_summary(small, "held_out"),
+        "cache_bytes": {"fit": None, "held_out": None},
+        "why": "",
+    }
+    worst = out["held_out"]["worst"]
+    if worst is None:
+        return out
+    fitted = inputs_from_transfer_result(record, rank, host)
+    left_out = leave_one_out_inputs(record, worst["bytes"], rank, host)
+    out["cache_bytes"] = {"fit": fitted.cache_bytes, "held_out": left_out.cache_bytes if left_out else None}
+    fit_cache, held_cache = out["cache_bytes"]["fit"], out["cache_bytes"]["held_out"]
+    # the explanation holds only where the size's own clone() put it inside the caches and, left out, below them
+    if fit_cache is not None and held_cache is not None and held_cache < worst["bytes"] <= fit_cache:
+        out["why"] = (
+            f"Left out, the {_size(worst['bytes'])} `clone()` no longer marks a {_size(worst['bytes'])} source as "
+            f"kept in the caches: the threshold falls to {_size(held_cache)}, and the model stages that source at the "
+            "DRAM rate. Where the caches end is read from one size's timing."
+        )
+    return out
+
+
 def markdown_table(rows: list[dict]) -> str:
     """:func:`bandwidth_table`'s rows as a Markdown table: measured, the two fits, and the size left out."""
     size = lambda n: f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

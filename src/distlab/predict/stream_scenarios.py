@@ -1,5 +1,6 @@
 """Scenarios of the stream model (:mod:`.streams`): the training loop's input pipelines, one copy and its path
-chunk by chunk, the D2H hazard, and the predictions the chapter draws from them (speed-ups, predicted bandwidth).
+chunk by chunk, the D2H hazard, the predictions the chapter draws from them (speed-ups, predicted bandwidth), and
+its verdicts on the claims it tests (:func:`claim_range`, :func:`staging_claim`).
 """
 
 from __future__ import annotations
@@ -313,3 +314,64 @@ def non_blocking_gain(
         )
         gains.append(step_time(inputs, "pinned", **kwargs) / step_time(inputs, "pinned + non_blocking", **kwargs))
     return gains
+
+
+# -- the chapter's claims, decided on the model's predictions ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimRange:
+    """Where a claimed range of speed-ups ("10-20 % faster training": ``low`` 1.10, ``high`` 1.20) holds on a
+    predicted curve."""
+
+    low: float
+    high: float
+    ranges: tuple[tuple[float, float], ...]
+    """The x ranges (interpolated between samples) where ``low <= speed-up <= high``; empty where it never holds."""
+    best: float
+    """The curve's largest speed-up, which says how far off the claim is where it never holds."""
+
+    def verdict(self) -> str:
+        """The chapter's words: where the claim holds, or, where it holds nowhere, the largest predicted gain."""
+        if self.ranges:
+            spans = " and ".join(f"{a:.2g} to {b:.2g}" for a, b in self.ranges)
+            return f"holds when one batch's copy takes **{spans} times** the step's compute"
+        return f"holds for no copy/compute ratio here: the largest predicted gain is {100 * (self.best - 1):.0f} %"
+
+
+def claim_range(xs: Sequence[float], speedups: Sequence[float], low: float = 1.10, high: float = 1.20) -> ClaimRange:
+    """Where ``speedups`` (one per x: a curve of :func:`speedup_curve` against its copy/compute ratios) lie
+    between ``low`` and ``high``."""
+    return ClaimRange(low, high, tuple(where_between(xs, speedups, low, high)), max(speedups))
+
+
+@dataclass(frozen=True)
+class StagingClaim:
+    """Whether a host stages fast enough for pinning to make one large copy ``low`` to ``high`` times faster."""
+
+    needed_GBps: tuple[float, float]
+    """The staging rates that give that gain on the link: the model's gain on a large copy is the link rate over
+    the staging rate when the staging copy is the slower of the two."""
+    stage_GBps: float
+    verdict: str
+    """``"within"`` that range, ``"faster"`` (pinning gains less) or ``"slower"`` (it gains more)."""
+
+    def words(self) -> str:
+        """The verdict as the chapter ends its sentence on this host's staging rate."""
+        return {
+            "within": "within that range.",
+            "faster": "faster, so the gain is smaller.",
+            "slower": "slower, so the gain is larger.",
+        }[self.verdict]
+
+
+def staging_claim(stage_GBps: float, link_GBps: float, low: float = 1.10, high: float = 1.15) -> StagingClaim:
+    """ "Pinning: 10-15 % faster data transfer" (``low`` 1.10, ``high`` 1.15) against a host's staging rate."""
+    slowest, fastest = link_GBps / high, link_GBps / low
+    if stage_GBps > fastest:
+        verdict = "faster"
+    elif stage_GBps < slowest:
+        verdict = "slower"
+    else:
+        verdict = "within"
+    return StagingClaim((slowest, fastest), stage_GBps, verdict)
