@@ -14,6 +14,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
+import torch
 
 matplotlib.use("Agg")
 
@@ -104,12 +105,12 @@ def test_the_bytes_per_value_table_is_the_cost_models_collectives():
     wires = [("ddp", 4, 4), ("fsdp", 4, 4), ("fsdp", 4, 2), ("fsdp", 2, 2), ("fsdp-no-reshard", 4, 2), ("ddp", 2, 2)]
     assert [per_value(*w) for w in wires] == [8, 12, 8, 6, 6, 4]
     text = PAGE.read_text()
-    cell = text[text.index("(ddp-vs-fsdp-wire)=") : text.index("### Exercise 2.")]
+    cell = text[text.index("(ddp-vs-fsdp-wire)=") : text.index("### Exercise 2:")]
     assert 'costmodel.collective_calls(strategy, units, n, "nccl", reduce_bytes, gather_bytes=gather_bytes)' in cell
     assert "units, n = [[(512, 512)]] * 4 + [[]], 2" in cell
 
 
-def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_sends(tmp_path):
+def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_sends(tmp_path, monkeypatch):
     """The page's program on two gloo ranks: DDP holds the whole 4.01 MiB and sends it in one all-reduce; FSDP2
     holds half and sends 1.5x in one dtype, 8 all-gathers (each of 4 units in forward and backward) and 4
     reduce-scatters; every rank prints one line per strategy, the lines unmixed."""
@@ -130,3 +131,16 @@ def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_s
     parameters = 4 * (512 * 512 + 512)
     assert f"{parameters * 4 / 2**20:.2f}" == "4.01"  # fp32, all on every DDP rank; FSDP2 keeps half, sends 1.5x
     assert f"{1.5 * parameters * 4 / 2**20:.2f}" == "6.01"
+    # What the ranks saved for the run's picture says exactly what they printed (the page's own loading line).
+    monkeypatch.chdir(tmp_path)  # where the ranks wrote their records
+    live_run = eval(re.search(r"live_run = (.*)\n", text).group(1), {"torch": torch})
+    expected = []
+    for rank in range(2):
+        expected += [
+            {"rank": rank, "strategy": "DDP", "held_bytes": 4 * parameters,
+             "sent": {"all_reduce": {"bytes_sent": 4.0 * parameters, "calls": 1}}},
+            {"rank": rank, "strategy": "FSDP2", "held_bytes": 2 * parameters,
+             "sent": {"all_gather": {"bytes_sent": 4.0 * parameters, "calls": 8},
+                      "reduce_scatter": {"bytes_sent": 2.0 * parameters, "calls": 4}}},
+        ]  # fmt: skip
+    assert live_run == expected
