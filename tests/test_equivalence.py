@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distlab.config import TrainConfig
+from distlab.models import relative_update_error as _relative_update_error
 from distlab.parallel import STRATEGIES, full_state_dict
 from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 from distlab.train import train
@@ -301,12 +302,6 @@ LOW_PRECISION = {
     "bf16_params_bf16_reduce": (dict(fsdp_param_dtype="bf16", fsdp_reduce_dtype="param"), 0.15),
     "fp16_params_fp32_reduce": (dict(fsdp_param_dtype="fp16"), 0.05),
 }
-
-
-def _relative_update_error(state: dict, reference: dict, initial: dict) -> float:
-    error = sum(((state[k] - reference[k]) ** 2).sum() for k in reference) ** 0.5
-    update = sum(((reference[k] - initial[k]) ** 2).sum() for k in reference) ** 0.5
-    return float(error / update)
 
 
 @pytest.mark.parametrize("name", LOW_PRECISION)

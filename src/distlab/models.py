@@ -246,6 +246,18 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def relative_update_error(state: dict, reference: dict, initial: dict) -> float:
+    """How far ``state`` lies from ``reference``, as a fraction of the update ``reference`` made from ``initial``.
+
+    Three state dicts with ``reference``'s keys; each norm is over all their tensors together. After one SGD
+    step from the same start the update is lr x gradient, so this is the relative error of the gradient that
+    made ``state`` (low-precision parameters against fp32, in the FSDP2 chapter and its tests).
+    """
+    error = sum(((state[k] - reference[k]) ** 2).sum() for k in reference) ** 0.5
+    update = sum(((reference[k] - initial[k]) ** 2).sum() for k in reference) ** 0.5
+    return float(error / update)
+
+
 # From this many parameters up, a parameter-sharding strategy builds the model
 # on the meta device and materialises only each rank's shards (--meta-init auto).
 META_INIT_FROM_PARAMETERS = 50_000_000

@@ -1,0 +1,61 @@
+"""The ZeRO and FSDP2 chapters after the fifth content review: short teaching paths, the reference nested under
+one heading, no test file names on the path, and the facts H2, H10 and H21 corrected."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = ("fsdp_from_scratch", "fsdp2_in_practice")
+PATH_WORDS = 2850  # the review's 2,500-3,000, with room for a sentence or two
+
+
+def _page(name: str) -> str:
+    return (ROOT / "book" / f"{name}.md").read_text()
+
+
+def _path_and_reference(name: str) -> tuple[str, str]:
+    text = _page(name)
+    cut = re.search(r"admonition\}\s*Takeaways", text).start()
+    return text[:cut], text[cut:]
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_teaching_path_fits_the_word_budget(name):
+    spec = importlib.util.spec_from_file_location("path_words", ROOT / "scripts" / "path_words.py")
+    path_words = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(path_words)
+    words = path_words.count(_page(name))["path"]
+    assert words <= PATH_WORDS, f"{name}: {words} words to the Takeaways, budget {PATH_WORDS}"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_path_names_no_test_file_and_the_reference_lists_them(name):
+    path, reference = _path_and_reference(name)
+    assert not re.findall(r"tests/test_\w+\.py", path), name
+    assert "### What the test suite checks" in reference and "tests/test_" in reference
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_the_reference_is_one_section_with_subsections(name):
+    _, reference = _path_and_reference(name)
+    below = reference[reference.index("## Reference\n") + len("## Reference\n") :]
+    assert not re.findall(r"^## ", below, flags=re.M), f"{name}: a ## heading after '## Reference'"
+
+
+def test_fsdp2_leaves_each_rank_the_average_and_the_picture_names_prefetch():
+    page = " ".join(_page("fsdp2_in_practice").split())
+    assert "the sum of its own rows" not in page and "the sum of both ranks' gradients" not in page
+    assert "leaving each rank the average over the ranks of its own rows" in page
+    assert "FSDP2 prefetches the next unit" in page
+    assert "The bytes in each title are the whole layer" not in page
+
+
+def test_shard_grad_op_saves_a_third_in_one_dtype_and_a_quarter_under_the_course_policy():
+    page = " ".join(_page("fsdp2_in_practice").split())
+    assert "a third of FSDP's traffic" not in page
+    assert "a third of FULL_SHARD's bytes in one dtype" in page and "a quarter with 16-bit gathers" in page
