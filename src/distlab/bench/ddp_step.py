@@ -37,6 +37,16 @@ from .harness import round_robin, summarize_times
 
 # The images each model is benchmarked on: MNIST's for the CNN, CIFAR-10's otherwise.
 BENCH_IMAGES = {"cnn": "mnist", "resnet18": "cifar10"}
+# The variants' names in a record: the compute floor, and the prefixes of the bucketed and torch DDP variants,
+# which end in their bucket cap ("MB" in the name is torch's unit, MiB).
+LOCAL = "local (no sync)"
+BUCKETED = "BucketedDDP"
+TORCH_DDP = "torch DDP"
+
+
+def variant_name(kind: str, cap_mb: float) -> str:
+    """A bucketed variant's name in the records, e.g. ``BucketedDDP 25 MB``."""
+    return f"{kind} {cap_mb:g} MB"
 
 
 def sample_batch(model_name: str, batch_size: int, rank: int, seq_len: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +70,10 @@ def make_model(model_name: str) -> nn.Module:
 
 def variants(bucket_caps_mb: list[float], torch_ddp_cap_mb: float) -> dict[str, Strategy]:
     """Name -> the strategy that wraps the model for that variant."""
-    found: dict[str, Strategy] = {"local (no sync)": Single(), "NaiveDDP": NaiveDDPStrategy()}
+    found: dict[str, Strategy] = {LOCAL: Single(), "NaiveDDP": NaiveDDPStrategy()}
     for cap in bucket_caps_mb:
-        found[f"BucketedDDP {cap:g} MB"] = BucketedDDPStrategy(cap)
-    found[f"torch DDP {torch_ddp_cap_mb:g} MB"] = TorchDDP(torch_ddp_cap_mb, broadcast_buffers=False)
+        found[variant_name(BUCKETED, cap)] = BucketedDDPStrategy(cap)
+    found[variant_name(TORCH_DDP, torch_ddp_cap_mb)] = TorchDDP(torch_ddp_cap_mb, broadcast_buffers=False)
     return found
 
 
@@ -135,6 +145,85 @@ def profiled_interval(event, runtime: Runtime) -> dict | None:
     else:
         return None
     return {"lane": lane, "name": name, "start_us": event.time_range.start, "dur_us": event.time_range.elapsed_us()}
+
+
+# What a page reads from a record. The prose's claims rest on these, so they live here, with tests
+# (tests/test_ddp_step_analysis.py), and the pages only print them.
+
+
+def within_spread(row: dict, reference: dict) -> bool:
+    """Whether two variants' interquartile ranges of step time overlap: if they do, the run cannot tell them apart."""
+    return row["time_q1_s"] <= reference["time_q3_s"] and reference["time_q1_s"] <= row["time_q3_s"]
+
+
+def compare_with_torch_ddp(record: dict) -> list[dict]:
+    """Every variant of a ``ddp_step`` record against torch DDP's: its median and quartiles (ms), the communication
+    it left exposed (its median minus the compute floor's), its ratio to torch DDP's median, and ``verdict``:
+    ``"reference"`` for torch DDP, else ``"within"`` (its spread overlaps torch DDP's) or ``"apart"``."""
+    rows = {row["variant"]: row for row in record["metrics"]["variants"]}
+    reference = rows[next(name for name in rows if name.startswith(TORCH_DDP))]
+    local_s = rows[LOCAL]["time_s"]
+    table = []
+    for name, row in rows.items():
+        verdict = "reference" if row is reference else ("within" if within_spread(row, reference) else "apart")
+        table.append(
+            {
+                "variant": name,
+                "median_ms": 1e3 * row["time_s"],
+                "q1_ms": 1e3 * row["time_q1_s"],
+                "q3_ms": 1e3 * row["time_q3_s"],
+                "exposed_ms": 1e3 * (row["time_s"] - local_s),
+                "ratio_to_torch_ddp": row["time_s"] / reference["time_s"],
+                "verdict": verdict,
+            }
+        )
+    return table
+
+
+def merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, end) intervals, overlapping ones merged: the time during which at least one of them runs."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def communication_after_backward(record: dict) -> dict:
+    """What the profiled bucketed step of a ``ddp_step`` record says about overlap, in ms from the step's start.
+
+    Backward is the compute lane's intervals other than ``forward``; the all-reduces, the communication lane's,
+    merged where they overlap (gloo runs several at once). ``after_backward_ms`` is the all-reduce time that runs
+    on once backward has ended, which the step waits for; ``share_after`` its fraction of ``all_reduce_ms``.
+    ``profiled_over_median`` compares the profiled step with the unprofiled median of the same variant.
+    """
+    metrics = record["metrics"]
+    timeline, cap = metrics["timeline"], metrics["timeline_bucket_cap_mb"]
+    backward = [i for i in timeline if i["lane"] == "compute" and i["name"] != "forward"]
+    communication = [(i["start_ms"], i["start_ms"] + i["dur_ms"]) for i in timeline if i["lane"] == "communication"]
+    if not backward or not communication:
+        raise ValueError("the record's timeline has no backward or no all-reduce: rerun the benchmark with profiling")
+    backward_end = max(i["start_ms"] + i["dur_ms"] for i in backward)
+    busy = merged_intervals(communication)
+    all_reduce_ms = sum(end - start for start, end in busy)
+    after_ms = sum(end - max(start, backward_end) for start, end in busy if end > backward_end)
+    step_ms = max(i["start_ms"] + i["dur_ms"] for i in timeline)
+    median_s = next(r["time_s"] for r in metrics["variants"] if r["variant"] == variant_name(BUCKETED, cap))
+    return {
+        "bucket_cap_mb": cap,
+        "backward_start_ms": min(i["start_ms"] for i in backward),
+        "backward_end_ms": backward_end,
+        "first_all_reduce_ms": busy[0][0],
+        "last_all_reduce_end_ms": busy[-1][1],
+        "all_reduce_ms": all_reduce_ms,
+        "after_backward_ms": after_ms,
+        "share_after": after_ms / all_reduce_ms,
+        "step_ms": step_ms,
+        "median_ms": 1e3 * median_s,
+        "profiled_over_median": step_ms / (1e3 * median_s),
+    }
 
 
 @dataclass
