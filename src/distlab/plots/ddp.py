@@ -99,8 +99,8 @@ def plot_gradient_averaging(
 ) -> list[tuple[int, int, None]]:
     """DDP's data parallelism in two panels drawn with :func:`plot_holdings` from a traced run: ``axes`` (two
     Axes); ``parameters`` as :func:`traced_all_reduces` takes them; for each rank, its traced ``calls``, the
-    indices of its data ``slices`` and its ``weights`` (a checksum). Left: after backward, each rank holds its
-    own gradients; a red outline marks each gradient a rank put into an ``all_reduce``. Right: after them, each
+    indices of its data ``slices`` and its ``weights`` (a checksum). First: after backward, each rank holds its
+    own gradients; a red outline marks each gradient a rank put into an ``all_reduce``. Second: after them, each
     such gradient holds every rank's contribution; a frozen parameter's "no grad" stays. The sends drawn. A figure
     wider than the book's column is narrowed to it (:func:`~distlab.plots.common.fit_to_column`)."""
     n, first = len(calls), 2  # columns: the data, the weights, then one column a parameter
