@@ -14,7 +14,6 @@ from pathlib import Path
 
 import matplotlib
 import pytest
-import torch
 
 matplotlib.use("Agg")
 
@@ -110,7 +109,7 @@ def test_the_bytes_per_value_table_is_the_cost_models_collectives():
     assert "units, n = [[(512, 512)]] * 4 + [[]], 2" in cell
 
 
-def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_sends(tmp_path, monkeypatch):
+def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_sends(tmp_path):
     """The page's program on two gloo ranks: DDP holds the whole 4.01 MiB and sends it in one all-reduce; FSDP2
     holds half and sends 1.5x in one dtype, 8 all-gathers (each of 4 units in forward and backward) and 4
     reduce-scatters; every rank prints one line per strategy, the lines unmixed."""
@@ -131,16 +130,67 @@ def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_s
     parameters = 4 * (512 * 512 + 512)
     assert f"{parameters * 4 / 2**20:.2f}" == "4.01"  # fp32, all on every DDP rank; FSDP2 keeps half, sends 1.5x
     assert f"{1.5 * parameters * 4 / 2**20:.2f}" == "6.01"
-    # What the ranks saved for the run's picture says exactly what they printed (the page's own loading line).
-    monkeypatch.chdir(tmp_path)  # where the ranks wrote their records
-    live_run = eval(re.search(r"live_run = (.*)\n", text).group(1), {"torch": torch})
-    expected = []
-    for rank in range(2):
-        expected += [
-            {"rank": rank, "strategy": "DDP", "held_bytes": 4 * parameters,
-             "sent": {"all_reduce": {"bytes_sent": 4.0 * parameters, "calls": 1}}},
-            {"rank": rank, "strategy": "FSDP2", "held_bytes": 2 * parameters,
-             "sent": {"all_gather": {"bytes_sent": 4.0 * parameters, "calls": 8},
-                      "reduce_scatter": {"bytes_sent": 2.0 * parameters, "calls": 4}}},
-        ]  # fmt: skip
-    assert live_run == expected
+    # the page opens on this run drawn in the course's grammar: from the very lines it printed
+    layers = [(f"layer {i}", [(512, 512), (512,)]) for i in range(4)]
+    fig = plots.plot_ddp_or_fsdp_run(done.stdout, layers)
+    ddp, fsdp = fig.axes
+    assert "4.01 MiB" in ddp.get_title() and "1 all_reduce" in ddp.get_title().replace("\n", " ")
+    assert "6.01 MiB in 8 all_gather, 4 reduce_scatter" in fsdp.get_title().replace("\n", " ")
+    matplotlib.pyplot.close(fig)
+
+
+MLP = [(f"layer {i}", [(512, 512), (512,)]) for i in range(4)]
+PRINTED = "\n".join(
+    f"rank {r} DDP: holds 4.01 MiB of parameters, sent 4.01 MiB in 1 all_reduce\n"
+    f"rank {r} FSDP2: holds 2.00 MiB of parameters, sent 6.01 MiB in 8 all_gather, 4 reduce_scatter"
+    for r in range(2)
+)
+
+
+def _cells(ax) -> list[list[str]]:
+    """Each rank's row of cell labels, top to bottom, as plot_holdings placed them."""
+    rows: dict[float, list] = {}
+    for text in ax.texts:
+        x, y = text.get_position()
+        rows.setdefault(-y, []).append((x, text.get_text()))
+    return [[label for _, label in sorted(row)] for _, row in sorted(rows.items())]
+
+
+def test_the_ddp_or_fsdp_picture_draws_what_each_rank_of_the_run_holds_and_sends():
+    """Rows are the ranks, columns the layers: DDP's cells whole, FSDP2's each rank's rows (Shard(0)); every cell red
+    (every layer's bytes go into the collectives); under each layer what a rank sends for it, which adds up to
+    what the run printed; the titles are the run's own numbers."""
+    records = plots.ddp_or_fsdp_records(PRINTED)
+    assert list(records) == ["DDP", "FSDP2"] and records["FSDP2"][1]["calls"] == {"all_gather": 8, "reduce_scatter": 4}
+    fig = plots.plot_ddp_or_fsdp_run(PRINTED, MLP)
+    ddp, fsdp = fig.axes
+    assert _cells(ddp) == [["whole\n1.00 MiB"] * 4] * 2
+    assert _cells(fsdp) == [["rows 0-255\n0.50 MiB"] * 4, ["rows 256-511\n0.50 MiB"] * 4]
+    for ax in (ddp, fsdp):
+        outlined = [p for p in ax.patches if type(p).__name__ == "Rectangle" and not p.get_fill()]
+        assert len(outlined) == 2 * 4
+    assert [t.get_text() for t in ddp.get_xticklabels()][0] == "layer 0\nsends 1.00 MiB\n(AR)"
+    assert [t.get_text() for t in fsdp.get_xticklabels()][3] == "layer 3\nsends 1.50 MiB\n(2 AG + 1 RS)"
+    assert "each rank holds 2.00 MiB of parameters (its rows of each layer)" in fsdp.get_title().replace("\n", " ")
+    matplotlib.pyplot.close(fig)
+
+
+def test_the_ddp_or_fsdp_picture_refuses_layers_that_are_not_the_runs():
+    with pytest.raises(ValueError, match="DDP rank 0 sent 4.01 MiB; its layers give 3.01 MiB"):
+        plots.plot_ddp_or_fsdp_run(PRINTED, MLP[:3])
+    with pytest.raises(ValueError, match="pass the output of the ddp_or_fsdp.py run"):
+        plots.ddp_or_fsdp_records("W1207 a torchrun warning and nothing else")
+    matplotlib.pyplot.close("all")
+
+
+def test_the_crossing_legend_says_which_systems_line_is_under_another():
+    """8x H100 and 8x H200 draw the same lines (the same peak, bus bandwidths 1% apart): the legend says the H100's
+    are under the H200's, and says it of no other system."""
+    fig = plots.plot_compute_vs_allreduce()
+    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert "8x H100 80 GB (under the 8x H200 141 GB line)" in labels
+    assert [label for label in labels if "under" in label] == ["8x H100 80 GB (under the 8x H200 141 GB line)"]
+    apart = {key: s for key, s in SYSTEMS.items() if key != "H200x8"}
+    fig_apart = plots.plot_compute_vs_allreduce(apart)
+    assert not [t.get_text() for t in fig_apart.axes[0].get_legend().get_texts() if "under" in t.get_text()]
+    matplotlib.pyplot.close("all")

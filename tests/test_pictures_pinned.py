@@ -4,6 +4,7 @@ FSDP unit's gathers and reduce-scatters)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +13,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from distlab import plots  # noqa: E402
 from distlab.predict import stream_scenarios  # noqa: E402
@@ -130,9 +132,14 @@ def test_the_fsdp2_picture_draws_the_collectives_fully_shard_really_ran(tmp_path
             assert call["bytes"] == gathered[names[unit]] and [row[unit] for row in frame["held"]] == ["whole"] * 2
     assert [frame["unit"] for frame in frames[1:] if frame["op"].startswith("all_gather")].count(0) == 2
     assert frames[-1]["held"] == [
-        ["rows 0-7", "rows 0-3", "0+1\nrows 0-7", "0+1\nrows 0-3"],
-        ["rows 8-15", "rows 4-7", "0+1\nrows 8-15", "0+1\nrows 4-7"],
+        ["rows\n0-7", "rows\n0-3", "0+1\nrows\n0-7", "0+1\nrows\n0-3"],
+        ["rows\n8-15", "rows\n4-7", "0+1\nrows\n8-15", "0+1\nrows\n4-7"],
     ]
+    for frame, call in zip(frames[1:], runs[0].calls):  # the number the tracer recorded is the one the frame names
+        whole = gathered[names[frame["unit"]]]
+        assert (frame["layer_bytes"], frame["piece_bytes"], frame["sent_bytes"]) == (whole, whole // 2, whole // 2)
+        named = frame["layer_bytes"] if call["op"].startswith("all_gather") else frame["piece_bytes"]
+        assert frame["traced_bytes"] == call.get("bytes") and call.get("bytes") in (None, named)
     fig = plots.plot_fsdp_unit_steps(runs[0].calls, UNITS, 2, caption="traced")
     outlined = [p for ax in fig.axes for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
     assert len(outlined) == 2 * len(runs[0].calls) and "traced" in fig._suptitle.get_text()
@@ -142,3 +149,86 @@ def test_the_fsdp2_picture_draws_the_collectives_fully_shard_really_ran(tmp_path
 def test_an_all_gather_that_matches_no_unit_is_refused():
     with pytest.raises(ValueError, match="matches no unit"):
         plots.fsdp_unit_frames([{"op": "all_gather_single", "bytes": 100}], UNITS, 2)
+
+
+# rank 0's trace of the page's step (content review 5): 2 ranks, and 3 (not on the page); layer 0 forward, layer 2
+# forward, layer 2 backward, layer 0 backward (prefetched), then the two reduce-scatters, layer 2's first
+TRACES = {
+    2: [("all_gather_single", b) for b in (1088, 544, 544, 1088)] + [("reduce_scatter_single", b) for b in (272, 544)],
+    3: [("all_gather_single", b) for b in (1224, 612, 612, 1224)] + [("reduce_scatter_single", b) for b in (204, 408)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_fsdp2_panel_names_the_layer_and_what_a_rank_sends_of_it(world):
+    """The tracer records an all-gather's whole layer but a reduce-scatter's one-rank piece; every title gives what
+    a rank sends, (n-1)/n of the layer, and the layer, for both kinds, so a reduce-scatter does not read as half an
+    all-gather; the frame names each number."""
+    calls = [{"op": op, "bytes": size} for op, size in TRACES[world]]
+    frames = plots.fsdp_unit_frames(calls, UNITS, world)
+    layer = {0: TRACES[world][0][1], 1: TRACES[world][1][1]}  # the units' whole padded bytes, as gathered
+    for frame, (op, traced) in zip(frames[1:], TRACES[world]):
+        whole = layer[frame["unit"]]
+        assert frame["layer_bytes"] == whole and frame["piece_bytes"] == whole // world
+        assert frame["traced_bytes"] == (whole if op.startswith("all_gather") else whole // world) == traced
+        assert frame["sent_bytes"] == (world - 1) * whole // world
+        assert f"sends {(world - 1) * whole // world} B of the {whole} B layer" in frame["title"]
+    no_bytes = [{"op": op} if op.startswith("reduce") else {"op": op, "bytes": b} for op, b in TRACES[world]]
+    assert [f["title"] for f in plots.fsdp_unit_frames(no_bytes, UNITS, world)] == [f["title"] for f in frames]
+
+
+def test_the_fsdp2_panel_where_backward_gathers_ahead_names_the_prefetch():
+    """Layer 0 is gathered for its backward while layer 2's gradient still waits for its reduce-scatter: FSDP2's
+    backward prefetch, said in that panel's title and no other."""
+    frames = plots.fsdp_unit_frames([{"op": op, "bytes": b} for op, b in TRACES[2]], UNITS, 2)
+    assert [frame["prefetch"] for frame in frames] == [False] * 4 + [True, False, False]
+    assert "before layer 2's gradient is reduce-scattered: FSDP2's backward prefetch" in frames[4]["title"]
+    assert [i for i, frame in enumerate(frames) if "prefetch" in frame["title"]] == [4]
+    assert [frame["phase"] for frame in frames] == [None, "forward", "forward"] + ["backward"] * 4
+
+
+def fsdp2_gradient_against_one_process() -> dict:
+    """The page's model under fully_shard, each rank its own batch; whether each rank's gradient rows are the
+    average over the ranks of one process's gradients on every rank's batch, or their sum."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    reference.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(1 + r)) for r in range(world)]
+    model(batches[rank]).square().mean().backward()
+    for batch in batches:
+        reference(batch).square().mean().backward()  # the sum over the ranks' losses
+    found = {"average": True, "sum": True}
+    for p, q in zip(model.parameters(), reference.parameters()):
+        local = p.grad.to_local()
+        start = rank * -(-q.shape[0] // world)
+        rows = q.grad[start : start + local.shape[0]]
+        found["average"] &= bool(torch.allclose(local, rows / world, atol=1e-6))
+        found["sum"] &= bool(torch.allclose(local, rows, atol=1e-6))
+    return found
+
+
+def test_the_fsdp2_picture_says_what_fully_shard_leaves_each_rank_the_average_of_its_rows():
+    """FSDP2's reduce-scatter leaves each rank the average of its rows over the ranks, not their sum (measured on 2
+    gloo ranks); every reduce-scatter panel says so, and no text of the figure says "sum"."""
+    from distlab.exercises import run_on_ranks
+
+    runs = run_on_ranks(fsdp2_gradient_against_one_process, ranks=2, timeout_s=120)
+    assert [run.returned for run in runs] == [{"average": True, "sum": False}] * 2
+    calls = [{"op": op, "bytes": b} for op, b in TRACES[2]]
+    reduced = [f for f in plots.fsdp_unit_frames(calls, UNITS, 2) if (f["op"] or "").startswith("reduce")]
+    assert len(reduced) == 2 and all("each rank keeps the average over its rows" in f["title"] for f in reduced)
+    fig = plots.plot_fsdp_unit_steps(calls, UNITS, 2, caption="traced")
+    texts = [t.get_text() for t in fig.findobj(Text)]
+    assert not [t for t in texts if re.search(r"\bsum\b", t)]
+    matplotlib.pyplot.close(fig)

@@ -24,7 +24,9 @@ from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times,
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import (
     MEMORY_COLORS,
+    ddp_or_fsdp_records,
     fsdp_unit_frames,
+    plot_ddp_or_fsdp_run,
     plot_fsdp_options,
     plot_fsdp_unit_steps,
     plot_memory_timeline,
@@ -77,6 +79,8 @@ __all__ = [
     "plot_fsdp_options",
     "fsdp_unit_frames",
     "plot_fsdp_unit_steps",
+    "ddp_or_fsdp_records",
+    "plot_ddp_or_fsdp_run",
     "plot_holdings",
     "plot_ring_steps",
     "plot_sharding_bridge",

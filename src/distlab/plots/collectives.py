@@ -13,7 +13,7 @@ from matplotlib.patches import Rectangle
 
 from ..predict.alphabeta import predict_time
 from ..predict.costmodel import RING_FACTOR
-from .common import _hardware_title
+from .common import COLUMN_INCHES, MIN_TEXT_PT, _hardware_title
 from .ring_animation import plot_holdings
 
 
@@ -184,7 +184,7 @@ def shard_frames(n: int, numel: int) -> tuple[list[str], list[tuple[str, list, l
         start, stop = c * size, min((c + 1) * size, numel)
         pad = (c + 1) * size - max(stop, start)
         values = {0: "none", 1: f"{start}"}.get(stop - start, f"{start}-{stop - 1}")
-        columns.append(f"shard {c}\n{values}" + (f" +{pad} pad" if pad else ""))
+        columns.append(f"shard {c}\n{values}" + (f"\n+{pad} pad" if pad else ""))
     everyone = frozenset(range(n))
     own = [[frozenset([r]) for _ in range(n)] for r in range(n)]
     kept = [[everyone if c == r else "" for c in range(n)] for r in range(n)]
@@ -213,12 +213,13 @@ def plot_shard_steps(n: int = 3, numel: int = 5, axes=None):
     outlines: what each rank puts into the collective (no arrow: the collective decides the route)."""
     columns, frames = shard_frames(n, numel)
     if axes is None:
-        _, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 0.55 * n + 1.9))
-    for ax, (title, held, sends) in zip(axes, frames):
-        plot_holdings(ax, held, sends, columns=columns, title=_wrap(title, 48), shade={"": -0.2})
-    axes[0].figure.suptitle(
-        f"schedule: reduce_scatter_flat then all_gather_flat on {n} ranks (distlab.parallel.flat_param)", fontsize=9
-    )
+        _, axes = plt.subplots(1, len(frames), figsize=(COLUMN_INCHES, 0.45 * n + 3.0))
+    for i, (ax, (title, held, sends)) in enumerate(zip(axes, frames)):
+        plot_holdings(ax, held, sends, columns=columns, title=_wrap(title, 28), shade={"": -0.2})
+        if i:
+            ax.tick_params(labelleft=False)
+    text = f"schedule: reduce_scatter_flat then all_gather_flat on {n} ranks (distlab.parallel.flat_param)"
+    axes[0].figure.suptitle(_wrap(text, 80), fontsize=MIN_TEXT_PT)
     axes[0].figure.tight_layout()
     return axes
 
@@ -254,27 +255,38 @@ def plot_step_collectives(rows: dict[str, list[tuple[str, str, int]]], n: int, t
     """One row per strategy, one box per collective in call order, its width the bytes this rank sends for it
     (ring volume: 2(n-1)/n of the tensor for an all-reduce, (n-1)/n for the others); each row's total, and its
     ratio to the first row's, at the right. ``rows``: label -> ``(collective, impl, bytes of the tensor)``."""
-    ax = ax or plt.subplots(figsize=(10, 0.55 * len(rows) + 1.4))[1]
+    ax = ax or plt.subplots(figsize=(COLUMN_INCHES, 0.8 * len(rows) + 1.6))[1]
     totals = {}
     for y, (label, calls) in enumerate(rows.items()):
         left = 0.0
         for collective, _, size in calls:
             width = RING_FACTOR[collective](n) * size / 2**10
             ax.add_patch(Rectangle((left, -y - 0.35), width, 0.7, fc=COLLECTIVE_COLORS[collective], ec="white", lw=1.2))
-            ax.text(left + width / 2, -y, SHORT[collective], ha="center", va="center", fontsize=7, color="white")
             left += width
         totals[label] = left
+        ax.text(0, -y + 0.4, label, va="bottom", fontsize=MIN_TEXT_PT)  # the row's name above it: the bar's width
     first = next(iter(totals.values()))
     widest = max(totals.values())
-    for y, total in enumerate(totals.values()):
-        ax.text(total + widest * 0.01, -y, f"{total:,.0f} KiB  {total / first:.2f}x", va="center", fontsize=8)
-    ax.set_yticks([-y for y in range(len(rows))], list(rows))
-    ax.set_xlim(0, widest * 1.22)
-    ax.set_ylim(-len(rows) + 0.4, 0.6)
-    ax.set_xlabel(f"KiB this rank sends in one step, collective after collective ({n} ranks)")
+    for y, (label, calls) in enumerate(rows.items()):
+        left = 0.0
+        for collective, _, size in calls:  # a box's name where it is wide enough to hold it
+            width = RING_FACTOR[collective](n) * size / 2**10
+            if width > widest * 0.045:
+                ax.text(left + width / 2, -y, SHORT[collective], ha="center", va="center", fontsize=MIN_TEXT_PT,
+                        color="white")  # fmt: skip
+            left += width
+        total = totals[label]
+        ax.text(total + widest * 0.01, -y, f"{total:,.0f} KiB\n{total / first:.2f}x", va="center", fontsize=MIN_TEXT_PT)
+    ax.set_yticks([])
+    ax.set_xlim(0, widest * 1.2)
+    ax.set_ylim(-len(rows) + 0.5, 1.0)
+    ax.set_xlabel(f"KiB this rank sends in one step, collective after collective ({n} ranks)", fontsize=MIN_TEXT_PT)
     handles = [Rectangle((0, 0), 1, 1, fc=color) for color in COLLECTIVE_COLORS.values()]
-    ax.legend(handles, [name.replace("_", "-") for name in COLLECTIVE_COLORS], fontsize=7, loc="lower right")
-    for side in ("top", "right"):
+    labels = [f"{SHORT[name]}: {name.replace('_', '-')}" for name in COLLECTIVE_COLORS]
+    ax.legend(handles, labels, fontsize=MIN_TEXT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3,
+              frameon=False)  # fmt: skip
+    for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(_wrap(title, 80), fontsize=MIN_TEXT_PT)
+    ax.figure.tight_layout()
     return ax

@@ -32,3 +32,19 @@ def jshtml(animation, default_mode: str = "once") -> str:
     the book's theme ships Font Awesome 6, which draws them, so the link goes."""
     html = animation.to_jshtml(default_mode=default_mode)
     return re.sub(r'<link rel="stylesheet"\s+href="https://[^"]*font-awesome[^"]*">', "", html)
+
+
+# The book's content column: 688 px wide in the Jupyter Book 1.x theme at a 1280 px window, and the pages draw at
+# figure.dpi 100. A picture of who holds and sends what is drawn at most this wide, so the page does not scale it
+# down, and its every text at least MIN_TEXT_PT.
+COLUMN_PX = 688
+COLUMN_INCHES = 6.8  # 680 px at 100 dpi: tight_layout's bounding box stays inside the column
+MIN_TEXT_PT = 9
+
+
+def fit_to_column(fig) -> None:
+    """Narrow ``fig`` to the book's column where it is wider (a page may hand a wider figure in), keeping its
+    height: its text then shows at the size it was set in."""
+    width, height = fig.get_size_inches()
+    if width > COLUMN_INCHES:
+        fig.set_size_inches(COLUMN_INCHES, height)

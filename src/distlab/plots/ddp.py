@@ -3,10 +3,13 @@ all-reduce is posted with and without buckets (a schedule), time per wrapper, an
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
 from ..results import hardware_label
+from .common import MIN_TEXT_PT, fit_to_column
 from .ring_animation import plot_holdings
 
 
@@ -96,9 +99,10 @@ def plot_gradient_averaging(
 ) -> list[tuple[int, int, None]]:
     """DDP's data parallelism in two panels drawn with :func:`plot_holdings` from a traced run: ``axes`` (two
     Axes); ``parameters`` as :func:`traced_all_reduces` takes them; for each rank, its traced ``calls``, the
-    indices of its data ``slices`` and its ``weights`` (a checksum). Left: after backward, each rank holds its
-    own gradients; a red outline marks each gradient a rank put into an ``all_reduce``. Right: after them, each
-    such gradient holds every rank's contribution; a frozen parameter's "no grad" stays. The sends drawn."""
+    indices of its data ``slices`` and its ``weights`` (a checksum). First: after backward, each rank holds its
+    own gradients; a red outline marks each gradient a rank put into an ``all_reduce``. Second: after them, each
+    such gradient holds every rank's contribution; a frozen parameter's "no grad" stays. The sends drawn. A figure
+    wider than the book's column is narrowed to it (:func:`~distlab.plots.common.fit_to_column`)."""
     n, first = len(calls), 2  # columns: the data, the weights, then one column a parameter
     sent = [traced_all_reduces(rank_calls, parameters) for rank_calls in calls]
     sends = [(r, first + i, None) for r in range(n) for i in sent[r]]
@@ -115,12 +119,11 @@ def plot_gradient_averaging(
 
     shade = {"no grad": 0.0}
     before, after = axes
-    title = f"after backward: each rank's own gradients; red: into an all_reduce ({traced_on})"
+    title = textwrap.fill(f"after backward: each rank's own gradients; red: into an all_reduce ({traced_on})", 75)
     plot_holdings(before, [row(r, False) for r in range(n)], sends, columns, title, shade)
     title = f"after the all_reduces, divided by {n}: every rank holds the average"
     plot_holdings(after, [row(r, True) for r in range(n)], [], columns, title, shade)
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
+    fit_to_column(before.figure)
     return sends
 
 
@@ -133,7 +136,8 @@ def plot_bucket_schedule(
     backward completed their gradients (recorded with hooks). Three lanes: the gradients in that order, coloured
     by bucket; NaiveDDP's one all-reduce a parameter, in registration order, once backward has ended;
     BucketedDDP's one a bucket, posted right after its last gradient arrived. Each box's ``gid`` says what it is
-    (``grad:``, ``naive:`` or ``bucket k:`` and the names)."""
+    (``grad:``, ``naive:`` or ``bucket k:`` and the names). A figure wider than the book's column is narrowed to
+    it."""
     backward = list(arrival)
     slot = {name: i for i, name in enumerate(backward)}
     size = dict(parameters)
@@ -143,8 +147,8 @@ def plot_bucket_schedule(
     end = len(parameters)
 
     def box(x: float, lane: str, gid: str, text: str, color) -> None:
-        ax.add_patch(Rectangle((x, lanes[lane] - 0.4), 0.9, 0.8, color=color, alpha=0.85, gid=gid))
-        ax.text(x + 0.45, lanes[lane], text, ha="center", va="center", fontsize=7, rotation=90)
+        ax.add_patch(Rectangle((x, lanes[lane] - 0.44), 0.9, 0.88, color=color, alpha=0.85, gid=gid))
+        ax.text(x + 0.45, lanes[lane], text, ha="center", va="center", fontsize=MIN_TEXT_PT, rotation=90)
 
     for name in backward:
         short = name.replace(".weight", ".w").replace(".bias", ".b")
@@ -154,15 +158,17 @@ def plot_bucket_schedule(
     for k, names in enumerate(buckets):
         posted = 1 + max(slot[name] for name in names)  # right after its last gradient
         nbytes = sum(size[name] for name in names)
-        box(posted, "bucketed", f"bucket {k}:{','.join(names)}", f"bucket {k}\n{nbytes:,} B", colors(k % 10))
+        box(posted, "bucketed", f"bucket {k}:{','.join(names)}", f"{k}: {nbytes:,} B", colors(k % 10))
     ax.axvline(end, color="gray", ls=":", lw=1)
-    ax.text(end, 2.5, " backward ends", fontsize=8, color="gray", va="bottom")
+    ax.text(end, 2.47, " backward ends", fontsize=MIN_TEXT_PT, color="gray", va="bottom")
     ax.set_xlim(-0.2, 2 * end + 0.2)
-    ax.set_ylim(-0.6, 2.9)
-    names = ["backward:\ngradient ready", "NaiveDDP:\nall-reduce", "BucketedDDP:\nall-reduce"]
+    ax.set_ylim(-0.5, 2.75)
+    names = ["backward:\ngradient\nready", "NaiveDDP:\nall-reduce\nof each", "BucketedDDP:\nall-reduce of\nbucket k"]
     ax.set_yticks([lanes[lane] for lane in lanes], names)
     ax.set_xticks([])
     ax.set_xlabel("order of events (schematic: order, not durations)")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or "schematic: order, not durations", fontsize=9)
+    ax.set_title(textwrap.fill(title or "schematic: order, not durations", 80), fontsize=MIN_TEXT_PT)
+    fit_to_column(ax.figure)
+    ax.figure.set_size_inches(ax.figure.get_size_inches()[0], max(4.8, ax.figure.get_size_inches()[1]))

@@ -5,12 +5,14 @@ chapters).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 
 from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from ..results import hardware_label
+from .common import COLUMN_INCHES, MIN_TEXT_PT
 
 MEMORY_COLORS = {
     "parameters": "tab:blue",
@@ -137,9 +139,10 @@ def plot_state_bars(
     optimizer state, for each strategy at each world size, one panel per precision (the ZeRO paper's figure;
     :func:`~distlab.predict.memory.expected_state_bytes`, which the course checks against measured bytes).
     Each bar is labelled with its bytes per parameter."""
-    if axes is None:
-        _, axes = plt.subplots(1, len(precisions), figsize=(6.2 * len(precisions), 3.9), sharey=True, squeeze=False)
-        axes = axes[0]
+    if axes is None:  # one panel a row, each the column's width: its bars' labels stay legible
+        _, axes = plt.subplots(len(precisions), 1, figsize=(COLUMN_INCHES, 3.3 * len(precisions) + 0.4), sharey=True,
+                               squeeze=False)  # fmt: skip
+        axes = axes[:, 0]
     for ax, precision in zip(axes, precisions):
         bars = state_bars(parameters, strategies, world_sizes, precision, units, optimizer)
         xs = [i + i // len(strategies) * 0.6 for i in range(len(bars))]
@@ -149,112 +152,258 @@ def plot_state_bars(
             ax.bar(xs, heights, 0.8, bottom=bottom, color=MEMORY_COLORS[category], label=category.replace("_", " "))
             bottom = [b + h for b, h in zip(bottom, heights)]
         for x, top, (_, _, held) in zip(xs, bottom, bars):
-            ax.text(x, top, f"{sum(held.values()) / parameters:.1f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(xs, [f"{STAGE_NAMES[s]}\nN={n}" for s, n, _ in bars], fontsize=7)
+            ax.text(x, top, f"{sum(held.values()) / parameters:.1f}", ha="center", va="bottom", fontsize=MIN_TEXT_PT)
+        ax.set_xticks(xs, [f"{STAGE_NAMES[s]}\nN={n}" for s, n, _ in bars], fontsize=MIN_TEXT_PT)
         per_value = "+".join(map(str, BYTES_PER_VALUE[optimizer, precision]))
-        ax.set_title(f"{precision}, {per_value} bytes a value; on each bar, bytes per parameter", fontsize=9)
+        ax.set_title(f"{precision}, {per_value} bytes a value; on each bar, bytes per parameter", fontsize=MIN_TEXT_PT)
+        ax.set_ylabel("GB one rank holds\n(before activations)", fontsize=MIN_TEXT_PT)
+        ax.tick_params(axis="y", labelsize=MIN_TEXT_PT)
         ax.grid(alpha=0.3, axis="y")
-    axes[0].set_ylabel("GB one rank holds (before activations)")
-    axes[0].legend(fontsize=7)
+        ax.set_ylim(top=max(bottom) * 1.12)  # room for the labels on the tallest bar
+    axes[0].legend(fontsize=MIN_TEXT_PT)
     axes[0].figure.suptitle(
-        f"predicted by expected_state_bytes: {parameters:,} parameters, {optimizer}, per rank", fontsize=9
+        f"predicted by expected_state_bytes: {parameters:,} parameters, {optimizer}, per rank", fontsize=MIN_TEXT_PT
     )
     axes[0].figure.tight_layout()
     return axes
 
 
 def _rows_of(rows: int, world: int, rank: int) -> str:
-    """The rows of a first dimension of ``rows`` that ``rank`` holds as ``torch.chunk`` cuts it (FSDP2's Shard(0))."""
+    """The rows of a first dimension of ``rows`` that ``rank`` holds as ``torch.chunk`` cuts it (FSDP2's Shard(0)),
+    on two lines so that a cell of a small panel holds it."""
     piece = -(-rows // world)
     first, last = rank * piece, min(rows, (rank + 1) * piece) - 1
-    return f"rows {first}-{last}" if first <= last else "no rows"
+    return f"rows\n{first}-{last}" if first <= last else "no\nrows"
 
 
 def fsdp_unit_frames(calls: Sequence[dict], units: Sequence[tuple], world: int, bytes_per_value: int = 4) -> list:
     """One FSDP2 step as its collectives ran, a frame per collective, for :func:`~distlab.plots.plot_holdings`.
 
     ``calls``: one rank's traced calls in order (:func:`distlab.exercises.run_on_ranks`); ``units``: each unit's
-    name and parameter shapes, in forward order. An all-gather is matched to its unit by its bytes (every rank's
-    piece, each parameter's first dimension padded to a multiple of ``world``): its first is the forward's, its
-    second the backward's. A reduce-scatter is matched by its bytes (one rank's padded piece) where the trace holds
-    them, else to the units in the order backward gathered them, as FSDP2 reduces. Each frame is a dict: ``title``,
-    ``held[rank][column]`` after the collective, ``sends`` (the cells it filled, on every rank), ``op``, ``bytes``,
-    ``unit``; the columns are each unit's parameters, then each unit's reduced gradient. With resharding after
-    forward (FSDP2's default for every unit but the root) a unit is freed once its forward is done: at the next
-    unit's gather."""
+    name and parameter shapes, in forward order. The tracer records a call's first tensor argument: for
+    ``all_gather_single(output, input)`` the whole unit (every rank's piece, each parameter's first dimension
+    padded to a multiple of ``world``), for ``reduce_scatter_single(output, input)`` one rank's padded piece. An
+    all-gather is matched to its unit by those bytes: its first is the forward's, its second the backward's. A
+    reduce-scatter is matched by its piece where the trace holds it, else to the units in the order backward
+    gathered them, as FSDP2 reduces.
+
+    Each frame is a dict: ``title``; ``held[rank][column]`` after the collective; ``sends`` (the cells it filled,
+    on every rank); ``op``; ``unit``; ``phase`` (``"forward"``, ``"backward"``, or None for the start);
+    ``prefetch`` (a backward gather made while another unit's gradient waits for its reduce-scatter: FSDP2's
+    backward prefetch); and the bytes, each named: ``traced_bytes`` (what the tracer recorded, None where it did
+    not), ``layer_bytes`` (the unit whole, padded), ``piece_bytes`` (one rank's padded piece) and ``sent_bytes``
+    (what each rank sends for it, (n-1)/n of the unit, as a ring sends either collective and as
+    :class:`~distlab.comm.traffic.TrafficCounter` counts it). The columns are each unit's parameters, then each
+    unit's reduced gradient, which holds the average over the ranks of that rank's rows (FSDP2 divides by the
+    world size). With resharding after forward (FSDP2's default for every unit but the root) a unit is freed once
+    its forward is done: at the next unit's gather."""
     import math
 
-    gathered = [
+    layer = [
         world * sum(-(-shape[0] // world) * math.prod(shape[1:]) for shape in shapes) * bytes_per_value
         for _, shapes in units
     ]
-    shard = [g // world for g in gathered]
+    piece = [size // world for size in layer]
     count = len(units)
     rows = [[_rows_of(shapes[0][0], world, r) for _, shapes in units] for r in range(world)]
     held = [rows[r][:] + [""] * count for r in range(world)]
-    frames = [{"title": "start: each rank holds its rows of every unit", "held": [h[:] for h in held], "sends": [],
-               "op": None, "bytes": None, "unit": None}]  # fmt: skip
+    frames = [{"title": "start: each rank holds its rows of every layer", "held": [h[:] for h in held], "sends": [],
+               "op": None, "unit": None, "phase": None, "prefetch": False, "traced_bytes": None,
+               "layer_bytes": None, "piece_bytes": None, "sent_bytes": None}]  # fmt: skip
     gathers, backward, reduced = [0] * count, [], 0
     for call in calls:
         op, size = call["op"], call.get("bytes")
+        waiting: list[str] = []  # units gathered for backward whose gradient is not yet reduce-scattered
+        freed: list[str] = []  # units freed at this forward gather
         if op.startswith("all_gather"):
-            if size not in gathered:
-                raise ValueError(f"an all-gather of {size} B matches no unit ({gathered} B gathered)")
-            unit = gathered.index(size)
+            if size not in layer:
+                raise ValueError(f"an all-gather of {size} B matches no unit ({layer} B gathered)")
+            unit = layer.index(size)
             gathers[unit] += 1
-            if gathers[unit] == 1:  # forward: the unit before it was freed when its forward ended
+            phase = "forward" if gathers[unit] == 1 else "backward"
+            if phase == "forward":  # the unit before it was freed when its forward ended
+                freed = [units[u][0] for u in range(count) if held[0][u] == "whole"]
                 for r in range(world):
                     held[r][:count] = rows[r][:]
-                what = "gathered whole for its forward"
             else:
+                waiting = [units[u][0] for u in backward[reduced:]]
                 backward.append(unit)
-                what = "gathered again for its backward"
             for r in range(world):
                 held[r][unit] = "whole"
             column = unit
         elif op.startswith("reduce_scatter"):
-            unit = shard.index(size) if size in shard else backward[reduced]
+            unit = piece.index(size) if size in piece else backward[reduced]
             reduced += 1
+            phase = "backward"
             for r in range(world):
                 held[r][unit] = rows[r][unit]
                 held[r][count + unit] = "+".join(map(str, range(world))) + "\n" + rows[r][unit]
-            what = "gradient reduce-scattered: each rank keeps the sum over its rows; the whole unit freed"
             column = count + unit
         else:
             continue
-        name = units[unit][0]
-        said = f"{size} B" if size else "its bytes not traced"
-        frames.append({"title": f"{len(frames)}. {op}, {said}: {name} {what}",
-                       "held": [h[:] for h in held], "sends": [(r, column, None) for r in range(world)],
-                       "op": op, "bytes": size, "unit": unit})  # fmt: skip
+        frame = {"held": [h[:] for h in held], "sends": [(r, column, None) for r in range(world)], "op": op,
+                 "unit": unit, "phase": phase, "prefetch": bool(waiting), "traced_bytes": size,
+                 "layer_bytes": layer[unit], "piece_bytes": piece[unit],
+                 "sent_bytes": (world - 1) * layer[unit] // world}  # fmt: skip
+        frame["title"] = f"{len(frames)}. {op}: {_what_happened(frame, units, waiting, freed)}"
+        frames.append(frame)
     return frames
 
 
-def plot_fsdp_unit_steps(calls: Sequence[dict], units: Sequence[tuple], world: int, caption: str = "", columns=4):
+def _what_happened(frame: dict, units: Sequence[tuple], waiting: Sequence[str], freed: Sequence[str]) -> str:
+    """A frame's title after its op: the unit, what the collective did, and what each rank sent of the layer."""
+    name = units[frame["unit"]][0]
+    sent = f"sends {frame['sent_bytes']} B of the {frame['layer_bytes']} B layer"
+    if frame["op"].startswith("reduce_scatter"):
+        return f"{name}'s gradient reduce-scattered, {sent}; each rank keeps the average over its rows, {name} freed"
+    if frame["phase"] == "forward":
+        gone = f"; {' and '.join(freed)} freed" if freed else ""
+        return f"{name} gathered whole for its forward{gone}; {sent}"
+    if waiting:
+        return (f"{name} gathered for its backward before {' and '.join(waiting)}'s gradient is reduce-scattered: "
+                f"FSDP2's backward prefetch; {sent}")  # fmt: skip
+    return f"{name} gathered again for its backward; {sent}"
+
+
+def plot_fsdp_unit_steps(calls: Sequence[dict], units: Sequence[tuple], world: int, caption: str = "", columns=2):
     """:func:`fsdp_unit_frames` drawn in the course's grammar, a panel per collective: rows are ranks, columns each
     unit's parameters and reduced gradient; "whole" is a gathered unit, a red outline the cells the collective of
-    that panel filled. ``caption`` says what traced the calls."""
+    that panel filled. The forward's panels (after the start) fill the first rows, the backward's the next, at
+    most ``columns`` (2; 3 at most) a row so that the figure stays legible in the book's column. ``caption`` says what
+    traced the calls."""
     import textwrap
 
     from .ring_animation import plot_holdings
 
     frames = fsdp_unit_frames(calls, units, world)
-    across = min(columns, len(frames))
-    down = -(-len(frames) // across)
-    fig, axes = plt.subplots(down, across, figsize=(3.6 * across, 2.3 * down + 0.6), squeeze=False)
-    names = [f"{name}\nparams" for name, _ in units] + [f"{name}\ngradient" for name, _ in units]
+    across = min(columns, 3)
+    forward = [f for f in frames if f["phase"] != "backward"]
+    backward = [f for f in frames if f["phase"] == "backward"]
+    lines = [forward[i : i + across] for i in range(0, len(forward), across)]
+    lines += [backward[i : i + across] for i in range(0, len(backward), across)]
+    fig, axes = plt.subplots(len(lines), across, figsize=(COLUMN_INCHES, 2.5 * len(lines) + 0.7), squeeze=False)
+    names = [f"{name}\nparams" for name, _ in units] + [f"{name}\ngrad" for name, _ in units]
     shade = {"whole": 0.85, "": 0.0}
     for frame in frames:
         for row in frame["held"]:
             for cell in row:
                 shade.setdefault(cell, 1.0 if "+" in cell else 0.25)
-    for ax, frame in zip(axes.flat, frames):
-        plot_holdings(ax, frame["held"], frame["sends"], columns=names, shade=shade)
-        ax.set_title("\n".join(textwrap.wrap(frame["title"], 48)), fontsize=7)
-        ax.tick_params(labelsize=7)
-    for ax in list(axes.flat)[len(frames) :]:
-        ax.axis("off")
-    text = "FSDP2's collectives in one step, in the order they ran" + (": " + caption if caption else "")
-    fig.suptitle("\n".join(textwrap.wrap(text, 170)), fontsize=8)
+    letters = int(COLUMN_INCHES / across * 13)  # a 9 pt title's characters in one panel's width
+    for axes_row, line in zip(axes, lines):
+        for i, ax in enumerate(axes_row):
+            if i >= len(line):
+                ax.axis("off")
+                continue
+            plot_holdings(ax, line[i]["held"], line[i]["sends"], columns=names, shade=shade)
+            ax.set_title("\n".join(textwrap.wrap(line[i]["title"], letters)), fontsize=MIN_TEXT_PT)
+            if i:
+                ax.tick_params(labelleft=False)
+        phase = line[0]["phase"] or "forward"
+        axes_row[0].set_ylabel(phase, fontsize=MIN_TEXT_PT + 1, fontweight="bold")
+    text = (
+        "FSDP2's collectives in one step, in the order they ran; a rank sends (n-1)/n of each layer, as a ring sends "
+        "it" + (": " + caption if caption else "")
+    )
+    fig.suptitle("\n".join(textwrap.wrap(text, 80)), fontsize=MIN_TEXT_PT)
+    fig.tight_layout()
+    return fig
+
+
+# what book/ddp_vs_fsdp.md's ddp_or_fsdp.py prints for each strategy on each rank
+_RUN_LINE = re.compile(r"rank (\d+) (\S+): holds ([\d.]+) MiB of parameters, sent ([\d.]+) MiB in (.+)")
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def ddp_or_fsdp_records(output) -> dict[str, dict[int, dict]]:
+    """What the DDP-or-FSDP chapter's two-rank run printed (its job, or the job's output text), by strategy in the
+    order printed, then by rank: ``held_mib`` (parameters), ``sent_mib`` (as the run's TrafficCounter counted it)
+    and ``calls`` (``{collective: how many}``)."""
+    records: dict[str, dict[int, dict]] = {}
+    for line in getattr(output, "output", output).splitlines():
+        found = _RUN_LINE.search(line)
+        if found:
+            rank, name, held, sent, calls = found.groups()
+            counted = {op: int(k) for k, op in (part.split() for part in calls.split(", "))}
+            records.setdefault(name, {})[int(rank)] = {
+                "held_mib": float(held),
+                "sent_mib": float(sent),
+                "calls": counted,
+            }
+    ranks = {tuple(sorted(by_rank)) for by_rank in records.values()}
+    if not records or len(ranks) != 1:
+        raise ValueError("no 'rank r NAME: holds ... MiB of parameters, sent ... MiB in ...' line for every rank: "
+                         "pass the output of the ddp_or_fsdp.py run")  # fmt: skip
+    return records
+
+
+def _layer_held(shapes: Sequence[tuple], world: int, rank: int, sharded: bool, bytes_per_value: int) -> int:
+    """The bytes of one layer ``rank`` holds: all of them, or its rows of each parameter (FSDP2's Shard(0))."""
+    import math
+
+    if not sharded:
+        return sum(math.prod(shape) for shape in shapes) * bytes_per_value
+    held = 0
+    for shape in shapes:
+        piece = -(-shape[0] // world)
+        rows = max(0, min(shape[0], (rank + 1) * piece) - rank * piece)
+        held += rows * math.prod(shape[1:]) * bytes_per_value
+    return held
+
+
+def _layer_cell(shapes: Sequence[tuple], world: int, rank: int, sharded: bool, bytes_per_value: int) -> str:
+    mib = _layer_held(shapes, world, rank, sharded, bytes_per_value) / 2**20
+    what = _rows_of(shapes[0][0], world, rank).replace("\n", " ") if sharded else "whole"
+    return f"{what}\n{mib:.2f} MiB"
+
+
+def plot_ddp_or_fsdp_run(output, layers: Sequence[tuple], bytes_per_value: int = 4, caption: str = ""):
+    """The DDP-or-FSDP chapter's two-rank run in the course's grammar: a panel per strategy, rows its ranks,
+    columns the model's layers (``layers``: each layer's name and parameter shapes); a cell is what the rank holds
+    of the layer (whole, or its rows as FSDP2 shards them), and a red outline marks that the layer's bytes go into
+    the strategy's collectives. Under each layer, what one rank sends for it in one step, at the ring volumes the
+    run's TrafficCounter counts: an all-reduce sends 2(n-1)/n of each gradient, however many buckets carry them;
+    an all-gather or a reduce-scatter (n-1)/n of the layer, the run's calls shared equally among the layers.
+    ``output``: the run's job (or its output text), read by :func:`ddp_or_fsdp_records`; each panel's title gives
+    the numbers the run printed, and layers whose bytes do not add up to them are a ValueError."""
+    import textwrap
+
+    from .ring_animation import plot_holdings
+
+    records = ddp_or_fsdp_records(output)
+    world, mib = len(next(iter(records.values()))), 2**20
+    whole = [_layer_held(shapes, world, 0, False, bytes_per_value) for _, shapes in layers]
+    fig, axes = plt.subplots(len(records), 1, figsize=(COLUMN_INCHES, 2.4 * len(records) + 0.9), squeeze=False)
+    for ax, (name, by_rank) in zip(axes[:, 0], records.items()):
+        first = by_rank[min(by_rank)]
+        sharded = first["held_mib"] < sum(whole) / mib - 0.01  # a rank holds less than the whole model
+        ring = (world - 1) / world
+        share = {op: 2 * ring if op == "all_reduce" else ring * k / len(layers) for op, k in first["calls"].items()}
+        sends = [sum(share.values()) * size for size in whole]
+        for rank, record in by_rank.items():
+            held = sum(_layer_held(shapes, world, rank, sharded, bytes_per_value) for _, shapes in layers)
+            for what, ours, printed in (("sent", sum(sends), record["sent_mib"]), ("holds", held, record["held_mib"])):
+                if abs(ours / mib - printed) > 0.006:  # the run printed two decimals
+                    raise ValueError(f"{name} rank {rank} {what} {printed:.2f} MiB; its layers give "
+                                     f"{ours / mib:.2f} MiB: pass the layers of the model the run used")  # fmt: skip
+        how = " + ".join(
+            "AR" if op == "all_reduce" else f"{k / len(layers):g} {_SHORT.get(op, op)}"
+            for op, k in first["calls"].items()
+        )
+        columns = [f"{layer}\nsends {sent / mib:.2f} MiB\n({how})" for (layer, _), sent in zip(layers, sends)]
+        cells = [[_layer_cell(shapes, world, r, sharded, bytes_per_value) for _, shapes in layers] for r in by_rank]
+        shade = {cell: 0.35 if sharded else 0.85 for row in cells for cell in row}
+        outlined = [(r, c, None) for r in range(world) for c in range(len(layers))]
+        plot_holdings(ax, cells, outlined, columns, shade=shade)
+        calls = ", ".join(f"{k} {op}" for op, k in first["calls"].items())
+        title = (f"{name}: each rank holds {first['held_mib']:.2f} MiB of parameters "
+                 f"({'its rows of each layer' if sharded else 'every layer whole'}) and sends "
+                 f"{first['sent_mib']:.2f} MiB in {calls}")  # fmt: skip
+        ax.set_title(textwrap.fill(title, 80), fontsize=MIN_TEXT_PT)
+    text = (
+        f"one step of the same model on {world} ranks, as the run printed it: a row a rank, a column a layer, "
+        "a cell what the rank holds of it; red: the layer's bytes go into that strategy's collectives (AR: "
+        "all-reduce of the gradients; AG: all-gather of the layer; RS: reduce-scatter of its gradient)"
+    )
+    fig.suptitle(textwrap.fill(text + (f"; {caption}" if caption else ""), 85), fontsize=MIN_TEXT_PT)
     fig.tight_layout()
     return fig

@@ -20,6 +20,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab.comm.collectives import Phase, ring_send_segment
 
+from .common import COLUMN_INCHES, MIN_TEXT_PT
+
 
 @dataclass
 class Frame:
@@ -85,9 +87,10 @@ def plot_holdings(
             if isinstance(cell, str):
                 text, level = cell, (shade or {}).get(cell, 0.3)
             else:
-                text, level = "+".join(map(str, sorted(cell))), len(cell) / n
+                text, level = _ranks_label(cell), len(cell) / n
             ax.add_patch(Rectangle((s, n - 1 - r), 0.92, 0.86, color=cmap(0.15 + 0.75 * level)))
-            ax.text(s + 0.46, n - 1 - r + 0.43, text, ha="center", va="center", fontsize=max(6, 12 - max(n, width)),
+            size = max(MIN_TEXT_PT, 12 - max(n, width))
+            ax.text(s + 0.46, n - 1 - r + 0.43, text, ha="center", va="center", fontsize=size,
                     color="white" if level > 0.5 else "black")  # fmt: skip
     for send in sends:
         r, s = send[0], send[1]
@@ -106,10 +109,17 @@ def plot_holdings(
     ax.set_ylim(-0.2, n + 0.1)
     ax.set_xticks([s + 0.46 for s in range(width)], columns or [f"seg {s}" for s in range(width)])
     ax.set_yticks([n - 1 - r + 0.43 for r in range(n)], [f"rank {r}" for r in range(n)])
-    ax.tick_params(length=0)
+    ax.tick_params(length=0, labelsize=MIN_TEXT_PT)
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=MIN_TEXT_PT)
+
+
+def _ranks_label(ranks: frozenset, per_line: int = 4) -> str:
+    """``0+1+2``, broken after every ``per_line`` ranks so that a cell of many ranks' sum stays narrow."""
+    names = [str(r) for r in sorted(ranks)]
+    lines = ["+".join(names[i : i + per_line]) for i in range(0, len(names), per_line)]
+    return "+\n".join(lines)
 
 
 def ring_steps(n: int) -> list[Frame]:
@@ -124,16 +134,22 @@ def after_reduce_scatter(n: int) -> Frame:
 
 
 def _strip(frames: list[Frame], titles: list[str], columns: int, suptitle: str, axes=None):
+    """The frames in rows of ``columns`` panels (at most 3, so that each stays legible in the book's column); only
+    a row's first panel names the ranks."""
+    columns = min(columns, 3)
     rows = -(-len(frames) // columns)
     if axes is None:
         n = len(frames[0].held)
-        _, axes = plt.subplots(rows, columns, figsize=(3.3 * columns, (0.55 * n + 1.3) * rows), squeeze=False)
+        _, axes = plt.subplots(rows, columns, figsize=(COLUMN_INCHES, (0.45 * n + 1.75) * rows), squeeze=False)
     flat = list(getattr(axes, "flat", axes))
-    for ax, frame, title in zip(flat, frames, titles):
-        plot_holdings(ax, frame.held, frame.sends, title="\n".join(textwrap.wrap(title, 44)))
+    letters = int(COLUMN_INCHES / columns * 13)  # a 9 pt title's characters in one panel's width
+    for i, (ax, frame, title) in enumerate(zip(flat, frames, titles)):
+        plot_holdings(ax, frame.held, frame.sends, title="\n".join(textwrap.wrap(title, letters)))
+        if i % columns:
+            ax.tick_params(labelleft=False)
     for ax in flat[len(frames) :]:
         ax.set_visible(False)
-    flat[0].figure.suptitle(suptitle, fontsize=9)
+    flat[0].figure.suptitle("\n".join(textwrap.wrap(suptitle, 80)), fontsize=MIN_TEXT_PT)
     flat[0].figure.tight_layout()
     return flat[: len(frames)]
 
@@ -167,17 +183,17 @@ def plot_sharding_bridge(n: int = 3, axes=None):
         "gathered: every rank holds every segment",
     ]
     suptitle = f"schedule: the ring's two halves on {n} ranks, and the sharded strategies built from them"
-    return _strip(frames, titles, len(frames), suptitle, axes)
+    return _strip(frames, titles, 2, suptitle, axes)
 
 
 def _draw(ax, frame: Frame, n: int) -> None:
-    plot_holdings(ax, frame.held, frame.sends, title=frame.title)
+    plot_holdings(ax, frame.held, frame.sends, title="\n".join(textwrap.wrap(frame.title, 70)))
 
 
 def animation(n: int = 4, interval_ms: int = 1200) -> mpl_animation.FuncAnimation:
     """The ring all-reduce on ``n`` ranks; cells show whose data each segment sums."""
     frames = ring_schedule(n)
-    fig, ax = plt.subplots(figsize=(1.3 * n + 2.5, 1.0 * n + 1.2))
+    fig, ax = plt.subplots(figsize=(min(COLUMN_INCHES, 1.3 * n + 2.5), 1.0 * n + 1.2))
     anim = mpl_animation.FuncAnimation(fig, lambda i: _draw(ax, frames[i], n), frames=len(frames), interval=interval_ms)
     plt.close(fig)  # the notebook shows the animation, not a stray still frame
     return anim

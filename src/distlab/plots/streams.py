@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 
 from ..results import hardware_label
+from .common import COLUMN_INCHES, MIN_TEXT_PT
 
 # -- the host side, measured on a CPU, and the stream model's predictions ----------------------------------------
 
@@ -74,9 +75,9 @@ def plot_host_costs(record: dict, axes=None):
     return axes
 
 
-def plot_stream_timeline(timeline, ax=None, xlim: float | None = None, label_min: float = 0.06):
+def plot_stream_timeline(timeline, ax=None, xlim: float | None = None, label_min: float = 0.06, fontsize: float = 7):
     """One scenario of the stream model (:class:`distlab.predict.streams.Timeline`) as a Gantt chart:
-    a row per lane, a bar per interval, coloured by kind; the host's reads marked."""
+    a row per lane, a bar per interval, coloured by kind; the host's reads marked; ``fontsize`` of its labels."""
     ax = ax or plt.subplots(figsize=(10, 2.2))[1]
     lanes = timeline.lanes
     rows = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
@@ -88,16 +89,18 @@ def plot_stream_timeline(timeline, ax=None, xlim: float | None = None, label_min
         ax.broken_barh([(start, width)], (y - 0.35, 0.7), facecolors=color, edgecolors="white", linewidth=0.4)
         if width > label_min * span and interval.kind != "api":
             text = interval.label if interval.kind != "wait" else "wait"
-            ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=7, clip_on=True)
+            ax.text(start + width / 2, y, text, ha="center", va="center", fontsize=fontsize, clip_on=True)
     for read in timeline.reads:
         color = "tab:red" if read.stale else "tab:green"
         y = rows["host"]
         ax.plot([read.time * 1e3] * 2, [y - 0.45, y + 0.45], color=color, lw=2)
-        ax.text(read.time * 1e3, y + 0.5, f"read: {'stale' if read.stale else 'up to date'}", color=color, fontsize=7)
+        said = f"read: {'stale' if read.stale else 'up to date'}"
+        ax.text(read.time * 1e3, y + 0.5, said, color=color, fontsize=fontsize)
     ax.set_yticks([rows[lane] for lane in lanes], lanes)
     ax.set_ylim(-0.6, len(lanes) - 0.2)
     ax.set_xlim(0, span * 1.02)
-    ax.set_title(timeline.title, fontsize=9, loc="left")
+    ax.set_title(timeline.title, fontsize=max(9, fontsize), loc="left")
+    ax.tick_params(labelsize=max(fontsize, 9))
     ax.grid(alpha=0.3, axis="x")
     return ax
 
@@ -259,7 +262,9 @@ def plot_copy_paths(inputs, nbytes: int = 8 << 20, caption: str = ""):
         copy_path(inputs, nbytes, pinned=False, non_blocking=False),
         copy_path(inputs, nbytes, pinned=True, non_blocking=True),
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 5.6), gridspec_kw={"width_ratios": [1, 1.5]})
+    # each path: its holdings above its timeline, every panel the column's width (the text stays legible)
+    fig, stacked = plt.subplots(4, 1, figsize=(COLUMN_INCHES, 8.6), gridspec_kw={"height_ratios": [3, 1.9, 2.1, 1.6]})
+    axes = stacked.reshape(2, 2)
     span = max(p.timeline.end for p in paths) * 1e3
     shade = {"": 0.0, **{f"c{k}": 0.55 for k in range(len(paths[0].chunks))}}
     for (left, right), path in zip(axes, paths):
@@ -267,30 +272,27 @@ def plot_copy_paths(inputs, nbytes: int = 8 << 20, caption: str = ""):
         t = (middle[0] + middle[1]) / 2  # a moment with the pipeline full: chunk 1 on the wire
         rows, held, sends = copy_path_holdings(path, t)
         shade.update({label: 0.35 for row in held for label in row if "buf" in label})
-        plot_holdings(
-            left,
-            held,
-            sends,
-            columns=[f"{c >> 20} MiB" if c >= 1 << 20 else f"{c >> 10} KiB" for c in path.chunks],
-            shade=shade,
-        )
-        left.set_yticks(left.get_yticks(), rows, fontsize=8)
+        columns = [
+            f"chunk {k}: " + (f"{c >> 20} MiB" if c >= 1 << 20 else f"{c >> 10} KiB") for k, c in enumerate(path.chunks)
+        ]
+        plot_holdings(left, held, sends, columns=columns, shade=shade)
+        left.set_yticks(left.get_yticks(), rows, fontsize=MIN_TEXT_PT)
         blocked = path.call.host_blocked_s * 1e3
         how = (
             "pageable, blocking `.to('cuda')`: the host thread stages every chunk, then waits"
             if not path.pinned
             else "pinned, `non_blocking=True`: one DMA reads the source; the call returns"
         )
-        left.set_title(f"{how}\nat {t * 1e3:.3f} ms (red: a copy running then)", fontsize=8)
+        left.set_title(f"{how}\nat {t * 1e3:.3f} ms (red: a copy running then)", fontsize=MIN_TEXT_PT)
         path.timeline.title = f"the host is held {blocked:.3f} ms; the copy ends at {path.call.end * 1e3:.3f} ms" + (
-            "" if path.pinned else " (purple: staging, grey: blocked)"
+            "" if path.pinned else "\n(purple: staging, grey: blocked)"
         )
-        plot_stream_timeline(path.timeline, ax=right, xlim=span)
+        plot_stream_timeline(path.timeline, ax=right, xlim=span, label_min=0.09, fontsize=MIN_TEXT_PT)
         right.axvline(t * 1e3, color="tab:red", lw=1, ls="--")
-    axes[-1][1].set_xlabel("ms (predicted)")
+        right.set_xlabel("ms (predicted)", fontsize=MIN_TEXT_PT)
     text = f"predicted by the stream model for one {nbytes >> 20} MiB host-to-device copy" + (
         "; inputs: " + caption if caption else ""
     )
-    fig.suptitle("\n".join(textwrap.wrap(text, 150)), fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(text, 80)), fontsize=MIN_TEXT_PT)
     fig.tight_layout()
     return axes

@@ -127,6 +127,13 @@ def plot_gpu_predictions(rows: Sequence[dict]):
     return fig
 
 
+def _coincide(a: tuple, b: tuple, within: float = 0.02) -> bool:
+    """Whether two systems' (compute line, all-reduce level) are drawn on top of each other."""
+    (compute_a, allreduce_a), (compute_b, allreduce_b) = a, b
+    pairs = zip([*compute_a, allreduce_a], [*compute_b, allreduce_b])
+    return all(abs(x - y) <= within * max(abs(x), abs(y)) for x, y in pairs)
+
+
 def plot_compute_vs_allreduce(systems=None, tokens: Sequence[float] | None = None):
     """PREDICTED, from cited specifications: per parameter of any model, the time a step computes (6 FLOPs per
     parameter per token at the GPU's peak times its MFU, :func:`distlab.predict.gpu_predictions.achieved_flops`)
@@ -140,13 +147,22 @@ def plot_compute_vs_allreduce(systems=None, tokens: Sequence[float] | None = Non
 
     systems = {k: s for k, s in (systems or SYSTEMS).items() if s.count > 1}  # one GPU sends nothing
     tokens = list(tokens or [2**k for k in range(5, 18)])
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(6.8, 5.0))
     billion = 1e9
+    names = {key: f"{s.count}x {s.gpu.name.split(' (')[0].removeprefix('NVIDIA ')}" for key, s in systems.items()}
+    lines = {
+        key: (
+            [6 * billion * t / gpu_predictions.achieved_flops(s.gpu) for t in tokens],
+            2 * (s.count - 1) / s.count * 4 * billion / s.allreduce_busbw,
+        )
+        for key, s in systems.items()
+    }
     for index, (key, system) in enumerate(systems.items()):
-        color, n = f"C{index}", system.count
-        compute = [6 * billion * t / gpu_predictions.achieved_flops(system.gpu) for t in tokens]
-        allreduce = 2 * (n - 1) / n * 4 * billion / system.allreduce_busbw
-        name = f"{n}x {system.gpu.name.split(' (')[0]}"
+        color = f"C{index}"
+        compute, allreduce = lines[key]
+        # a system whose two lines a later one draws over (within 2%: 8x H100 and 8x H200) says so in the legend
+        over = [names[k] for k in list(systems)[index + 1 :] if _coincide(lines[key], lines[k])]
+        name = names[key] + (f" (under the {over[0]} line)" if over else "")
         width = 3.2 - 0.6 * index  # systems with the same GPU draw the same compute line: the wider shows under
         ax.plot(tokens, compute, color=color, lw=width, gid=f"{key} compute", label=f"{name}: compute")
         ax.plot(tokens, [allreduce] * len(tokens), color=color, lw=width * 0.8, ls="--", gid=f"{key} all-reduce",
@@ -154,13 +170,17 @@ def plot_compute_vs_allreduce(systems=None, tokens: Sequence[float] | None = Non
         t = gpu_predictions.crossing_tokens(system)
         ax.plot([t], [allreduce], "o", color=color, ms=6, gid=f"{key} crossing")
         ax.annotate(f"{t:,.0f}", (t, allreduce), textcoords="offset points", xytext=(4, 5 + 8 * (index % 2)),
-                    fontsize=7, color=color)  # fmt: skip
+                    fontsize=8, color=color)  # fmt: skip
     ax.set(xscale="log", yscale="log", xlabel="tokens per GPU per step",
            ylabel="seconds per billion parameters")  # fmt: skip
     ax.set_title("PREDICTED from cited specifications: compute against DDP's unhidden fp32 all-reduce;\n"
                  "they cross at t = 8(n-1)/n x peak x MFU / (6 x busbw) tokens per GPU, marked",
                  fontsize=9, color="C3")  # fmt: skip
-    ax.legend(fontsize=6.5, ncol=2, loc="upper left")
+    handles = [plt.Line2D([], [], color=f"C{i}", lw=2, label=line.get_label().removesuffix(": compute"))
+               for i, line in enumerate(ln for ln in ax.lines if ln.get_gid().endswith(" compute"))]  # fmt: skip
+    handles += [plt.Line2D([], [], color="0.3", lw=2, label="compute"),
+                plt.Line2D([], [], color="0.3", lw=2, ls="--", label="fp32 all-reduce, nothing hidden")]  # fmt: skip
+    ax.legend(handles=handles, fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return fig
