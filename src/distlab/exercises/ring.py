@@ -14,7 +14,8 @@ import torch
 
 from ..comm.collectives import segment_bounds
 from .catalog import Exercise
-from .trial import Trial, ranks_said
+from .trial import Trial
+from .verdict import ranks_said
 
 LENGTHS = (12, 10, 4)
 """Divides by 2, 3 and 4; does not divide by 3 or 4; leaves 1-element segments at 3 ranks and 4."""

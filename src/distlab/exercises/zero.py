@@ -5,7 +5,7 @@ zeros to a multiple of N and cut into N equal shards, rank r owning shard r. Eve
 from generators seeded by the case, so it computes what the collectives should leave it (the averaged gradient,
 the stepped parameters) alone, with no collective of its own. Every rank makes all its calls of the learner's
 function before it checks any: a rank whose answer is wrong is reported wrong, not as the other ranks left
-waiting in its next call's collective. The fourth is graded against :func:`distlab.predict.memory.expected_state_bytes`.
+waiting in its next call's collective. The fourth, the bytes per rank, is in :mod:`.zero_memory`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import re
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from itertools import product
 
 import torch
 
-from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from .catalog import Exercise
 from .trial import Trial, storages_reached
+from .zero_memory import EXERCISES as MEMORY_EXERCISES
 
 NUMELS = (11, 12)
 """Values in a flat buffer: 11 needs padding on 2, 3 or 4 ranks, 12 divides by 2, 3 and 4."""
@@ -312,78 +311,6 @@ def _zero3_check(t: Trial, seen: dict, full, mean, numel: int) -> None:
     _gradient_check(t, seen, mean, numel)
 
 
-# --- Bytes per rank --------------------------------------------------------------------------------------------
-
-TERMS = ("parameters", "gradients", "optimizer_state")
-DIVIDES = {"ddp": (), "zero1": TERMS[2:], "zero2": TERMS[1:], "zero3": TERMS}
-"""The terms each stage divides by N."""
-COUNTER = 4
-"""Adam's float32 step counter, one per tensor it steps (one flat tensor here). torch keeps it on the CPU unless
-Adam is capturable or fused: on gloo, as the course runs, it is the rank's memory like the rest; on a GPU it is
-host memory, not the GPU's."""
-PSIS, WORLD_SIZES = (1_000_000, 7_000_000_001), (1, 3, 8)
-"""Ψ that divides by 8 and not by 3, and a 7B model that divides by neither."""
-
-
-def _count(
-    term: str, precision: str, psi: int, n: int, divided: bool, padded: bool, master: bool = True, counter: bool = True
-) -> tuple[list[float], str]:
-    """One way of counting ``term``: the bytes it gives (unpadded shards: Ψ/N exactly, or rounded down), and the
-    arithmetic in words."""
-    shard = -(-psi // n)
-    if divided:
-        values, said = ([shard], f"ceil(Ψ/N) = {shard:,} values") if padded else ([psi / n, psi // n], "Ψ/N values")
-    elif padded:
-        values, said = [shard * n], f"ceil(Ψ/N)·N = {shard * n:,} values (the padded buffer)"
-    else:
-        values, said = [psi], f"Ψ = {psi:,} values"
-    per_value = BYTES_PER_VALUE["adam", precision][TERMS.index(term)] - (0 if master else 4)
-    extra = COUNTER if term == "optimizer_state" and counter else 0
-    said += f" × {per_value} bytes" + (" + 4 (Adam's step counter, on the CPU)" if extra else "")
-    return [v * per_value + extra for v in values], said
-
-
-def _diagnose(term: str, strategy: str, precision: str, psi: int, n: int, got: float) -> str | None:
-    """The mistake a wrong ``term`` is, where one way of counting it wrongly gives ``got``: a term divided or not
-    divided by N, then the master copy left out, the padding left out or added, the step counter left out."""
-    right = (term in DIVIDES[strategy], strategy != "ddp", True, True)
-    state = term == "optimizer_state"
-    for change in product((False, True), repeat=4):
-        if (change[2] and not (state and precision == "mixed")) or (change[3] and not state) or not any(change):
-            continue
-        way = [value != flip for value, flip in zip(right, change)]
-        if any(abs(value - got) < 0.5 for value in _count(term, precision, psi, n, *way)[0]):
-            if change[0]:
-                if strategy == "zero2" and not state:
-                    return "zero2_wrong_term"
-                return "sharded_too_early" if way[0] else "not_sharded"
-            return "no_master_copy" if change[2] else "no_padding" if change[1] else "step_counter"
-    return None
-
-
-def bytes_trial(t: Trial, fn) -> None:
-    for strategy, precision in product(DIVIDES, ("fp32", "mixed")):
-        with t.case(f"{strategy}, {precision}"):
-            for psi, n in product(PSIS, WORLD_SIZES):
-                _bytes_check(t, t.call(fn, psi, strategy, n, precision), strategy, precision, psi, n)
-
-
-def _bytes_check(t: Trial, got, strategy: str, precision: str, psi: int, n: int) -> None:
-    where = f"at Ψ={psi:,}, N={n}"
-    if isinstance(got, (tuple, list)) and len(got) == 3:
-        got = dict(zip(TERMS, got))
-    if not isinstance(got, dict) or set(TERMS) - set(got):
-        t.fail(f"answer {where}", f"expected a dict with keys {', '.join(TERMS)}, got {got!r:.80}", "not_a_dict")
-    expected = expected_state_bytes(psi, strategy, n, "adam", precision)
-    for term in TERMS:
-        value = got[term]
-        if not isinstance(value, (int, float)) or abs(value - expected[term]) >= 0.5:
-            right = _count(term, precision, psi, n, term in DIVIDES[strategy], strategy != "ddp")
-            shown = f"{value:,}" if isinstance(value, (int, float)) else repr(value)
-            mistake = _diagnose(term, strategy, precision, psi, n, value) if isinstance(value, (int, float)) else None
-            t.fail(f"{term} {where}", f"{shown} bytes, expected {expected[term]:,} = {right[1]}", mistake)
-
-
 # --- The exercises -------------------------------------------------------------------------------------------
 
 SHARD_MISTAKES = {
@@ -470,31 +397,5 @@ EXERCISES = (
         on_error=lambda failure: "not_gathered" if "loss_fn takes" in failure["message"] else None,
         pages=("labs/lab_fsdp",),
     ),
-    Exercise(
-        name="zero_bytes_per_rank",
-        page="fsdp_from_scratch",
-        task="Return the bytes one rank holds for training with Adam, as a dict with keys parameters, gradients and "
-        "optimizer_state, for strategy ddp, zero1, zero2 or zero3, world_size N and precision fp32 or mixed. Count "
-        "as on the CPU, where the course runs: Adam's 4-byte step counter is then the rank's memory too.",
-        signature="def bytes_per_rank(num_params: int, strategy: str, world_size: int, precision: str) -> dict:",
-        solution="zero.bytes_per_rank",
-        library="distlab.predict.memory.expected_state_bytes",
-        trial=bytes_trial,
-        ranks=1,
-        mistakes={
-            "no_master_copy": "mixed precision keeps an fp32 master copy of the parameters in the optimizer state "
-            "beside Adam's two moments: 4 + 4 + 4 = 12 bytes a value, not 8.",
-            "sharded_too_early": "each stage divides one more term by N: ZeRO-1 the optimizer state only, ZeRO-2 also "
-            "the gradients, ZeRO-3 also the parameters; DDP divides nothing.",
-            "not_sharded": "this stage divides that term by N: ZeRO-1 the optimizer state, ZeRO-2 also the "
-            "gradients, ZeRO-3 all three.",
-            "zero2_wrong_term": "ZeRO-2 divides the gradients and the optimizer state by N, and keeps the "
-            "parameters whole on every rank.",
-            "no_padding": "a ZeRO stage pads its flat buffer with zeros to a multiple of N: a shard holds "
-            "ceil(Ψ/N) values, and a whole buffer ceil(Ψ/N)·N (DDP holds exactly Ψ).",
-            "step_counter": "Adam keeps a 4-byte step counter beside its moments, one per tensor it steps (one flat "
-            "tensor here): add 4 to the optimizer state. torch keeps it on the CPU, so it counts here, on gloo; on a "
-            "GPU it stays on the host (unless Adam is capturable or fused) and the GPU holds 4 bytes less.",
-        },
-    ),
+    *MEMORY_EXERCISES,
 )
