@@ -59,31 +59,48 @@ def _diagnose(term: str, strategy: str, precision: str, psi: int, n: int, got: f
                 if strategy == "zero2" and not state:
                     return "zero2_wrong_term"
                 return "sharded_too_early" if way[0] else "not_sharded"
-            return "no_master_copy" if change[2] else "no_padding" if change[1] else "step_counter"
+            return "no_master_copy" if change[2] else "no_padding" if change[1] else None  # the counter alone passes
     return None
 
 
+COUNTER_NOTE = "right; the library also counts Adam's 4-byte step counter, a CPU tensor, in optimizer_state"
+
+
 def bytes_trial(t: Trial, fn) -> None:
+    without_counter = []  # the cases right but for Adam's step counter: the stage table, which leaves it out
     for strategy, precision in product(DIVIDES, ("fp32", "mixed")):
         with t.case(f"{strategy}, {precision}"):
             for psi, n in product(PSIS, WORLD_SIZES):
-                _bytes_check(t, t.call(fn, psi, strategy, n, precision), strategy, precision, psi, n)
+                got = t.call(fn, psi, strategy, n, precision)
+                without_counter += _bytes_check(t, got, strategy, precision, psi, n)
+    if without_counter:
+        t.note(COUNTER_NOTE)
 
 
-def _bytes_check(t: Trial, got, strategy: str, precision: str, psi: int, n: int) -> None:
+def _bytes_check(t: Trial, got, strategy: str, precision: str, psi: int, n: int) -> list[str]:
+    """Fails on a wrong term; returns the terms that are right but for the step counter (the optimizer state's)."""
     where = f"at Ψ={psi:,}, N={n}"
     if isinstance(got, (tuple, list)) and len(got) == 3:
         got = dict(zip(TERMS, got))
     if not isinstance(got, dict) or set(TERMS) - set(got):
         t.fail(f"answer {where}", f"expected a dict with keys {', '.join(TERMS)}, got {got!r:.80}", "not_a_dict")
     expected = expected_state_bytes(psi, strategy, n, "adam", precision)
+    without_counter = []
     for term in TERMS:
         value = got[term]
         if not isinstance(value, (int, float)) or abs(value - expected[term]) >= 0.5:
+            if (
+                term == "optimizer_state"
+                and isinstance(value, (int, float))
+                and abs(value + COUNTER - expected[term]) < 0.5
+            ):
+                without_counter.append(term)  # the idea (which term divides by N) is right; the counter is bookkeeping
+                continue
             right = _count(term, precision, psi, n, term in DIVIDES[strategy], strategy != "ddp")
             shown = f"{value:,}" if isinstance(value, (int, float)) else repr(value)
             mistake = _diagnose(term, strategy, precision, psi, n, value) if isinstance(value, (int, float)) else None
             t.fail(f"{term} {where}", f"{shown} bytes, expected {expected[term]:,} = {right[1]}", mistake)
+    return without_counter
 
 
 EXERCISES = (
@@ -109,9 +126,6 @@ EXERCISES = (
             "parameters whole on every rank.",
             "no_padding": "a ZeRO stage pads its flat buffer with zeros to a multiple of N: a shard holds "
             "ceil(Ψ/N) values, and a whole buffer ceil(Ψ/N)·N (DDP holds exactly Ψ).",
-            "step_counter": "Adam keeps a 4-byte step counter beside its moments, one per tensor it steps (one flat "
-            "tensor here): add 4 to the optimizer state. torch keeps it on the CPU, so it counts here, on gloo; on a "
-            "GPU it stays on the host (unless Adam is capturable or fused) and the GPU holds 4 bytes less.",
         },
     ),
 )
