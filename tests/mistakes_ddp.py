@@ -383,7 +383,7 @@ MISTAKES = [
     ("overlap_gradients", overlap_never_waits, "never_waited", "without waiting for 3 of the 3 all-reduces"),
     ("overlap_gradients", overlap_tensor_hook, "reduced_a_copy", "own micro-batch gradient divided by 3"),
     ("average_gradients", average_twice, "averaged_twice", "(3 all-reduce(s) with ReduceOp.AVG, then divided by 3)"),
-    ("average_gradients", average_a_bucket_never_copied_back, "local_gradient", "1 all-reduce(s) on other tensors"),
+    ("average_gradients", average_a_bucket_never_copied_back, "local_gradient", "1 all-reduce(s) summed other tensors"),
     ("overlap_gradients", overlap_divides_while_in_flight, "changed_in_flight", "changed in place after their"),
     ("overlap_gradients", overlap_waits_for_the_previous, "blocking", "2 of its 3 all-reduces returned"),
     ("overlap_gradients", overlap_finish_waits_on_a_copy, "never_waited", "without waiting for 3 of the 3"),

@@ -325,6 +325,12 @@ def unit_frees_then_gathers_again(shard, loss_fn):  # right: freed after forward
     return reduce_scatter_flat(full.grad / n, shard.numel())
 
 
+def bytes_zero1_shards_everything_without_counter(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    stages = {**STAGES, "zero1": STAGES["zero3"]}
+    return _bytes(num_params, strategy, world_size, precision, per_value, stages, counter=0)
+
+
 def bytes_stage_table(num_params, strategy, world_size, precision):  # W18: the page's table, Ψ/N exactly
     per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
     return {
@@ -374,5 +380,6 @@ MISTAKES = [
     ("zero3_unit", unit_frees_data_after_forward, "freed_before_backward", "holds 0 of its 12 values when backward"),
     ("zero3_unit", unit_frees_storage_after_forward, "freed_before_backward", "holds 0 of its 12 values when"),
     ("zero3_unit", unit_gathered_without_grad, "gathered_without_grad", "does not require grad"),
+    ("zero_bytes_per_rank", bytes_zero1_shards_everything_without_counter, "sharded_too_early", "case 'zero1, fp32'"),
     ("zero_bytes_per_rank", bytes_stage_table, "no_padding", "4,000,000 bytes, expected 4,000,008"),
 ]

@@ -79,17 +79,10 @@ def _check_gradients(
             if [c.get("bytes") for c in calls] == every_parameter:
                 t.fail(what, f"it is rank {t.rank}'s own gradient; the {len(calls)} all-reduces had the sizes of "
                        "every parameter, the frozen one included", "averaged_parameters")  # fmt: skip
-            said = f"{len(calls)} all-reduce(s) on other tensors" if calls else "no collective at all"
-            t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient: {said}", "local_gradient")
+            _own_gradient(t, model, what, calls, f"rank {t.rank}'s own micro-batch gradient", "local_gradient")
         if n > 1 and _like(got, own[name] / n):
-            calls = _all_reduces(t, since)
-            grads = {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
-            elsewhere = [c for c in calls if c.get("storage") not in grads]
-            if elsewhere or not calls:  # "other tensors" only where the storages say so
-                said = f"its {len(calls)} all-reduce(s) summed other tensors" if calls else "no collective summed it"
-                t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient divided by {n}: {said}", own_divided)
-            why = f"it is rank {t.rank}'s own micro-batch gradient divided by {n}, though its {len(calls)}"
-            t.fail(what, f"{why} all-reduce(s) carried the gradients' own tensors", None)
+            it_is = f"rank {t.rank}'s own micro-batch gradient divided by {n}"
+            _own_gradient(t, model, what, _all_reduces(t, since), it_is, own_divided)
         if n > 1 and _like(got, n * reference[name]):
             t.fail(what, f"it is {n} times the average over the {n} ranks: the sum", "summed")
         if n > 1 and _like(got, reference[name] / n):
@@ -98,6 +91,17 @@ def _check_gradients(
             t.fail(what, f"it is the average over the {n} ranks divided by {n} again ({how} divided by {n})",
                    "averaged_twice")  # fmt: skip
         t.expect_close(got, reference[name], what)
+
+
+def _own_gradient(t: Trial, model, what: str, calls: list[dict], it_is: str, mistake: str) -> None:
+    """A gradient still this rank's own: said "summed other tensors" only where the all-reduces' storages are
+    not the gradients' own (a copy such as p.grad / n); else what the trace shows, unnamed."""
+    grads = {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
+    if not calls:
+        t.fail(what, f"it is {it_is}: no collective summed it", mistake)
+    if any(c.get("storage") not in grads for c in calls):
+        t.fail(what, f"it is {it_is}: its {len(calls)} all-reduce(s) summed other tensors", mistake)
+    t.fail(what, f"it is {it_is}, though its {len(calls)} all-reduce(s) carried the gradients' own tensors", None)
 
 
 GRADIENT_CASES = ((4, 11), (2, 12), (3, 13))
