@@ -260,7 +260,7 @@ EXERCISES = (
         mistakes={
             "mesh_device": "build the mesh on the device the model's parameters are on: "
             "init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),)). A GPU tutorial's "
-            "init_device_mesh(\"cuda\", ...) fails where the ranks run on the CPU, as the check's gloo ranks do.",
+            'init_device_mesh("cuda", ...) fails where the ranks run on the CPU, as the check\'s gloo ranks do.',
             "root_first": "the root was wrapped before its units. fully_shard(model) shards every parameter inside "
             "it, so a unit wrapped afterwards holds DTensors already: wrap each unit first, the model last.",
             "no_root": "the units are wrapped but the model is not. Its own parameters (the input layer and the "
