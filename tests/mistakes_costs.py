@@ -65,6 +65,24 @@ def sent_zero_without_gather(strategy, parameters, n, reduce_bytes, gather_bytes
     return share * parameters * (reduce_bytes + gathers * gather_bytes)
 
 
+# The answers a fifth review wrote and graded (its section 4)
+
+
+def ring_time_n_hops(collective, nbytes, n, alpha_s, bandwidth):  # W15: n hops a phase, not n - 1
+    hops = 2 * n if collective == "all_reduce" else n
+    return hops * alpha_s + hops / n * nbytes / bandwidth
+
+
+def sent_zero_as_all_reduce_and_gather(strategy, parameters, n, reduce_bytes, gather_bytes):  # W16
+    share = (n - 1) / n
+    if strategy == "ddp":
+        return 2 * share * parameters * reduce_bytes
+    if strategy in ("zero1", "zero2"):
+        return 2 * share * parameters * reduce_bytes + share * parameters * gather_bytes
+    gathers = 2 if strategy == "fsdp" else 1
+    return share * parameters * (reduce_bytes + gathers * gather_bytes)
+
+
 MISTAKES = [
     ("ring_collective_time", ring_time_reduce_scatter_only, "reduce_scatter_only", "all_reduce of 4 KiB on 2 ranks"),
     ("ring_collective_time", ring_time_whole_tensor_per_hop, "whole_tensor_per_hop", "got 13.448 us, expected 12.424"),
@@ -76,4 +94,6 @@ MISTAKES = [
     ("bytes_sent_per_step", sent_zero_without_gather, "zero_without_gather", "zero1, 124,439,808 parameters"),
     ("bytes_sent_per_step", sent_whole_tensor, "whole_tensor", "ddp, 124,439,808 parameters"),
     ("bytes_sent_per_step", sent_always_reducing_fp32, "reduced_in_fp32", "FSDP2's default with a 16-bit param_dtype"),
+    ("ring_collective_time", ring_time_n_hops, "n_hops", "got 24.848 us, expected 12.424 us"),
+    ("bytes_sent_per_step", sent_zero_as_all_reduce_and_gather, "zero_all_reduced", "(1.5 x the gradients' bytes)"),
 ]

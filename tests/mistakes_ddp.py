@@ -265,9 +265,108 @@ def overlap_divides_after_the_wait(model):
     return finish
 
 
+# The answers a fifth review wrote and graded (its section 4: W4-W8 wrong; S1, V2 and V3 right)
+
+
+def average_async_never_waited(model):  # W4
+    n = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, async_op=True)
+            p.grad /= n
+
+
+def overlap_hook_closes_over_the_loop_variable(model):  # W5: every hook reduces the last parameter
+    n = dist.get_world_size()
+    handles = []
+    for p in model.parameters():
+        if p.requires_grad:
+
+            def hook(_):
+                p.grad /= n
+                handles.append(dist.all_reduce(p.grad, async_op=True))
+
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for handle in handles:
+            handle.wait()
+        handles.clear()
+
+    return finish
+
+
+def overlap_forgets_to_return_finish(model):  # W6
+    n = dist.get_world_size()
+    handles = []
+
+    def hook(p):
+        p.grad /= n
+        handles.append(dist.all_reduce(p.grad, async_op=True))
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for handle in handles:
+            handle.wait()
+        handles.clear()
+
+
+def shard_pads_with_the_last_indices(num_samples, world_size, rank, seed, epoch, drop_last):  # W7
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    if drop_last:
+        per_rank = num_samples // world_size
+    else:
+        per_rank = -(-num_samples // world_size)
+        padding = per_rank * world_size - num_samples
+        order = torch.cat([order, order[num_samples - padding :]])
+    return order[: per_rank * world_size][rank::world_size]
+
+
+def shard_ignores_drop_last(num_samples, world_size, rank, seed, epoch, drop_last):  # W8: always pads
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+    per_rank = -(-num_samples // world_size)
+    order = torch.cat([order, order[: per_rank * world_size - num_samples]])
+    return order[rank::world_size]
+
+
+def average_one_value_at_a_time(model):  # S1: right, and slow: one all-reduce per value
+    n = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is not None:
+            flat = p.grad.view(-1)
+            for i in range(flat.numel()):
+                dist.all_reduce(flat[i : i + 1])
+            p.grad /= n
+
+
+def average_one_flat_buffer(model):  # V2: one flat buffer, one all-reduce, copied back
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def shard_asks_the_sampler(num_samples, world_size, rank, seed, epoch, drop_last):  # V3
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(num_samples), world_size, rank, shuffle=True, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
 ALTERNATIVES = [
     ("average_gradients", average_with_the_avg_op),
     ("overlap_gradients", overlap_divides_after_the_wait),
+    ("average_gradients", average_one_value_at_a_time),
+    ("average_gradients", average_one_flat_buffer),
+    ("shard_indices", shard_asks_the_sampler),
 ]
 
 
@@ -284,7 +383,7 @@ MISTAKES = [
     ("overlap_gradients", overlap_never_waits, "never_waited", "without waiting for 3 of the 3 all-reduces"),
     ("overlap_gradients", overlap_tensor_hook, "reduced_a_copy", "own micro-batch gradient divided by 3"),
     ("average_gradients", average_twice, "averaged_twice", "(3 all-reduce(s) with ReduceOp.AVG, then divided by 3)"),
-    ("average_gradients", average_a_bucket_never_copied_back, "local_gradient", "1 all-reduce(s) on other tensors"),
+    ("average_gradients", average_a_bucket_never_copied_back, "local_gradient", "1 all-reduce(s) summed other tensors"),
     ("overlap_gradients", overlap_divides_while_in_flight, "changed_in_flight", "changed in place after their"),
     ("overlap_gradients", overlap_waits_for_the_previous, "blocking", "2 of its 3 all-reduces returned"),
     ("overlap_gradients", overlap_finish_waits_on_a_copy, "never_waited", "without waiting for 3 of the 3"),
@@ -294,4 +393,9 @@ MISTAKES = [
     ("shard_indices", shard_with_global_rng, "overlap_or_missing", "is on ranks"),
     ("shard_indices", shard_in_blocks, "contiguous_blocks", "consecutive positions"),
     ("shard_indices", shard_in_order, "not_shuffled", "nothing was shuffled"),
+    ("average_gradients", average_async_never_waited, "not_waited", "3 of the 3 all-reduces started with async_op"),
+    ("overlap_gradients", overlap_hook_closes_over_the_loop_variable, "same_tensor", "all 3 all-reduces carried the"),
+    ("overlap_gradients", overlap_forgets_to_return_finish, "no_finish", "it is NoneType"),
+    ("shard_indices", shard_pads_with_the_last_indices, "wrong_padding", "the first 11 positions are the seeded"),
+    ("shard_indices", shard_ignores_drop_last, "drop_last_ignored", "which the sampler leaves out with drop_last"),
 ]

@@ -84,6 +84,36 @@ def peak_of_shards(units, n, reshard_after_forward, bytes_per_value=4):
     return sum(gathered) * bytes_per_value // n
 
 
+# The answers a fifth review wrote and graded (its section 4)
+
+
+def shard_on_a_cuda_mesh(model, lr):  # W13: copied from a GPU tutorial, run on the CPU
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def shard_with_the_default_mesh(model, lr):  # V5: no mesh argument
+    for unit in model.shard_units():
+        fully_shard(unit)
+    fully_shard(model)
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def peak_pads_each_units_total(units, n, reshard_after_forward, bytes_per_value=4):  # W14: ZeRO's flat padding
+    gathered = [-(-sum(math.prod(shape) for shape in unit) // n) * n for unit in units]
+    *blocks, root = gathered
+    if reshard_after_forward:
+        return (root + max(blocks, default=0)) * bytes_per_value
+    return sum(gathered) * bytes_per_value
+
+
+ALTERNATIVES = [
+    ("fsdp2_shard_model", shard_with_the_default_mesh),
+]
+
 MISTAKES = [
     ("fsdp2_shard_model", shard_root_first, "root_first", "the root before the units"),
     ("fsdp2_shard_model", shard_root_only, "root_only", "gathered at once"),
@@ -95,4 +125,6 @@ MISTAKES = [
     ("fsdp2_gathered_bytes", peak_ignores_the_option, "freed_after_forward", "reshard_after_forward=False"),
     ("fsdp2_gathered_bytes", peak_of_shards, "shards_not_whole", "got 141184, expected 282368"),
     ("fsdp2_gathered_bytes", peak_of_every_unit, "kept_until_backward", "prefetch can add the next unit's all-gather"),
+    ("fsdp2_shard_model", shard_on_a_cuda_mesh, "mesh_device", 'init_device_mesh("cuda"'),
+    ("fsdp2_gathered_bytes", peak_pads_each_units_total, "unit_padding", "got 819720, expected 826116"),
 ]

@@ -37,6 +37,22 @@ def read_pageable_is_the_risky_one(pinned, non_blocking, wait):
     return pinned or wait != "none"
 
 
+# The answers a fifth review wrote and graded (its section 4)
+
+
+def copy_forgets_the_partial_chunk(nbytes, pinned, link_GBps, stage_GBps, chunk_bytes=2 << 20):  # W17
+    link, stage = link_GBps * 1e9, stage_GBps * 1e9
+    if pinned:
+        return nbytes / link
+    staged = sent = 0.0
+    free = [0.0, 0.0]
+    for index in range(nbytes // chunk_bytes):  # whole chunks only
+        staged = max(staged, free[index % 2]) + chunk_bytes / stage
+        sent = max(sent, staged) + chunk_bytes / link
+        free[index % 2] = sent
+    return sent
+
+
 MISTAKES = [
     ("h2d_copy_time", copy_pageable_at_link_rate, "pageable_as_pinned", "from pageable memory: got"),
     ("h2d_copy_time", copy_stage_then_send, "stage_then_send", "5 MiB from pageable memory"),
@@ -46,4 +62,5 @@ MISTAKES = [
     ("d2h_read_hazard", read_safe_after_any_wait, "event_before_copy", "wait='event_before_copy'"),
     ("d2h_read_hazard", read_always_safe, "pinned_non_blocking_safe", "seeing 'initial'"),
     ("d2h_read_hazard", read_pageable_is_the_risky_one, "blocking_stale", "pageable memory, non_blocking=False"),
+    ("h2d_copy_time", copy_forgets_the_partial_chunk, "partial_chunk", "64 KiB from pageable memory: got 0 ms"),
 ]

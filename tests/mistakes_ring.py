@@ -223,11 +223,65 @@ def all_reduce_blocking_recv(tensor):
         sending.wait()
 
 
+# The answers a fifth review wrote and graded (its section 4)
+
+
+def reduce_scatter_adds_into_the_segment_sent(tensor):  # W1: off by one
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        send = segments[(rank - hop) % n]
+        arrived = torch.empty_like(send)
+        exchange(send, arrived)
+        send += arrived
+    return segments[(rank + 1) % n]
+
+
+def reduce_scatter_floor_segments(tensor):  # W2: segments of numel // n
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = tensor.numel() // n
+    segments = [tensor[k * size : (k + 1) * size] for k in range(n)]
+    for hop in range(n - 1):
+        into = segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        exchange(segments[(rank - hop) % n], arrived)
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
+def all_gather_by_the_collective(tensor):  # W3: dist.all_gather instead of sends and receives
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bounds = segment_bounds(tensor.numel(), n)
+    a, b = bounds[(rank + 1) % n]
+    pieces = [torch.empty(b - a) for _ in range(n)]
+    dist.all_gather(pieces, tensor[a:b].clone())
+    for k, piece in enumerate(pieces):  # rank k holds segment (k + 1) % n
+        lo, hi = bounds[(k + 1) % n]
+        tensor[lo:hi] = piece
+
+
+def reduce_scatter_even_ranks_send_first(tensor):  # V1: blocking send and recv, alternating by parity
+    rank, n = dist.get_rank(), dist.get_world_size()
+    segments = [tensor[a:b] for a, b in segment_bounds(tensor.numel(), n)]
+    for hop in range(n - 1):
+        send, into = segments[(rank - hop) % n], segments[(rank - hop - 1) % n]
+        arrived = torch.empty_like(into)
+        if rank % 2 == 0:
+            dist.send(send, (rank + 1) % n)
+            dist.recv(arrived, (rank - 1) % n)
+        else:
+            dist.recv(arrived, (rank - 1) % n)
+            dist.send(send, (rank + 1) % n)
+        into += arrived
+    return segments[(rank + 1) % n]
+
+
 ALTERNATIVES = [
     ("ring_reduce_scatter", reduce_scatter_returns_a_clone),
     ("ring_reduce_scatter", reduce_scatter_waits_each_request),
     ("ring_all_gather", all_gather_receives_then_copies),
     ("ring_all_reduce", all_reduce_blocking_recv),
+    ("ring_reduce_scatter", reduce_scatter_even_ranks_send_first),
 ]
 
 
@@ -255,4 +309,12 @@ MISTAKES = [
     ),
     ("ring_all_reduce", all_reduce_on_a_copy, "not_in_place", "never wrote into `tensor`"),
     ("ring_all_reduce", all_reduce_rebinds_the_sum, "nothing_added", "holds only rank 0's own values"),
+    ("ring_reduce_scatter", reduce_scatter_adds_into_the_segment_sent, "partial_sum", "every rank except"),
+    (
+        "ring_reduce_scatter",
+        reduce_scatter_floor_segments,
+        "floor_segments",
+        "cut 10 values as 3 + 3 + 3 and leave",
+    ),
+    ("ring_all_gather", all_gather_by_the_collective, "used_collective", "it called dist.all_gather"),
 ]

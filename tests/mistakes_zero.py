@@ -256,10 +256,97 @@ def unit_all_reduce_then_clone(shard, loss_fn):
     return grad[rank * shard.numel() : (rank + 1) * shard.numel()].clone()
 
 
+# The answers a fifth review wrote and graded (its section 4: W9-W12 and W18 wrong, W10 and V4 right)
+
+
+def zero1_ema_momentum(flat_params, flat_grad, momentum, lr, beta):  # W9: Adam's first moment, not SGD's momentum
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    momentum = torch.zeros(size) if momentum is None else momentum
+    momentum = beta * momentum + (1 - beta) * flat_grad[mine]
+    flat_params.copy_(all_gather_flat(flat_params[mine] - lr * momentum, flat_params.numel()))
+    return momentum
+
+
+def shard_divides_callers_grad(grad):  # W10: divides the caller's tensor in place, as the library does
+    n = dist.get_world_size()
+    grad /= n
+    size = -(-grad.numel() // n)
+    flat = torch.zeros(size * n)
+    flat[: grad.numel()] = grad
+    return reduce_scatter_flat(flat, size)
+
+
+def unit_frees_data_after_forward(shard, loss_fn):  # W11: "ZeRO-3 frees the parameter after forward"
+    n = dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    loss = loss_fn(full)
+    full.data = torch.empty(0)
+    loss.backward()
+    return reduce_scatter_flat(full.grad / n, shard.numel())
+
+
+def unit_frees_storage_after_forward(shard, loss_fn):  # W11b: as ShardedUnit.free does, never gathered again
+    n = dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    loss = loss_fn(full)
+    full.untyped_storage().resize_(0)
+    loss.backward()
+    return reduce_scatter_flat(full.grad / n, shard.numel())
+
+
+def unit_gathered_without_grad(shard, loss_fn):  # W12: requires_grad_ forgotten on the gathered buffer
+    n = dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n)
+    loss_fn(full).backward()
+    return reduce_scatter_flat(full.grad / n, shard.numel())
+
+
+def unit_list_collectives(shard, loss_fn):  # V4: the list forms of the two collectives
+    n = dist.get_world_size()
+    pieces = [torch.empty_like(shard) for _ in range(n)]
+    dist.all_gather(pieces, shard)
+    full = torch.cat(pieces).requires_grad_(True)
+    loss_fn(full).backward()
+    out = torch.empty_like(shard)
+    dist.reduce_scatter(out, list((full.grad / n).chunk(n)))
+    return out
+
+
+def unit_frees_then_gathers_again(shard, loss_fn):  # right: freed after forward, gathered again in place
+    n = dist.get_world_size()
+    full = all_gather_flat(shard, shard.numel() * n).requires_grad_(True)
+    loss = loss_fn(full)
+    full.untyped_storage().resize_(0)  # what ShardedUnit.free does after forward
+    full.untyped_storage().resize_(shard.numel() * n * full.element_size())  # and its pre-backward hook, before
+    dist.all_gather_into_tensor(full.detach(), shard)
+    loss.backward()
+    return reduce_scatter_flat(full.grad / n, shard.numel())
+
+
+def bytes_zero1_shards_everything_without_counter(num_params, strategy, world_size, precision):
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    stages = {**STAGES, "zero1": STAGES["zero3"]}
+    return _bytes(num_params, strategy, world_size, precision, per_value, stages, counter=0)
+
+
+def bytes_stage_table(num_params, strategy, world_size, precision):  # W18: the page's table, Ψ/N exactly
+    per_value = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    return {
+        term: per_value[i] * (num_params / world_size if term in STAGES[strategy] else num_params)
+        for i, term in enumerate(("parameters", "gradients", "optimizer_state"))
+    }
+
+
 # Right answers written otherwise than the course's: each must pass (tests/test_grader_names.py)
 ALTERNATIVES = [
     ("zero1_step", zero1_broadcast_from_owners),
     ("zero3_unit", unit_autograd_all_gather),
+    ("zero2_shard_gradient", shard_divides_callers_grad),
+    ("zero3_unit", unit_list_collectives),
+    ("zero3_unit", unit_frees_then_gathers_again),
+    ("zero_bytes_per_rank", bytes_without_step_counter),  # the stage table, padded: passes with a note (H9)
 ]
 
 
@@ -289,5 +376,10 @@ MISTAKES = [
     ("zero_bytes_per_rank", bytes_zero1_shards_everything, "sharded_too_early", "case 'zero1, fp32'"),
     ("zero_bytes_per_rank", bytes_zero2_divides_parameters, "zero2_wrong_term", "parameters at Ψ=1,000,000, N=3"),
     ("zero_bytes_per_rank", bytes_without_padding, "no_padding", "ceil(Ψ/N)·N = 1,000,002 values"),
-    ("zero_bytes_per_rank", bytes_without_step_counter, "step_counter", "+ 4 (Adam's step counter, on the CPU)"),
+    ("zero1_step", zero1_ema_momentum, "ema_momentum", "(1 - beta) = 0.1 times this shard's momentum"),
+    ("zero3_unit", unit_frees_data_after_forward, "freed_before_backward", "holds 0 of its 12 values when backward"),
+    ("zero3_unit", unit_frees_storage_after_forward, "freed_before_backward", "holds 0 of its 12 values when"),
+    ("zero3_unit", unit_gathered_without_grad, "gathered_without_grad", "does not require grad"),
+    ("zero_bytes_per_rank", bytes_zero1_shards_everything_without_counter, "sharded_too_early", "case 'zero1, fp32'"),
+    ("zero_bytes_per_rank", bytes_stage_table, "no_padding", "4,000,000 bytes, expected 4,000,008"),
 ]

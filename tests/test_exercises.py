@@ -49,7 +49,7 @@ def test_a_typical_mistake_fails_with_its_name(exercise, wrong, mistake, says):
 
 
 def _common() -> dict:
-    from distlab.exercises.grader import COMMON_MISTAKES
+    from distlab.exercises.verdict import COMMON_MISTAKES
 
     return COMMON_MISTAKES
 

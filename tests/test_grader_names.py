@@ -14,7 +14,7 @@ from distlab.comm.collectives import segment_bounds
 from distlab.exercises import grade, grader
 from distlab.exercises.catalog import CHAPTERS, all_exercises, get
 from distlab.exercises.ring import _chunk_bounds
-from distlab.exercises.trial import sent_elsewhere
+from distlab.exercises.trace import sent_elsewhere
 from mistakes_ring import all_reduce_receives_from_the_right, reduce_scatter_with_chunk
 from test_exercises import STUCK_TIMEOUT_S
 

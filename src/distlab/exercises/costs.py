@@ -17,6 +17,7 @@ SIZES = (4 << 10, 1 << 20, 256 << 20)
 
 def _ring_mistakes(collective: str, nbytes: float, n: int, alpha: float, bw: float) -> dict[str, float]:
     steps, factor = RING_STEPS[collective](n), RING_FACTOR[collective](n)
+    n_hops = steps * n // (n - 1)  # n hops a phase where the ring makes n - 1
     wrong = {
         "whole_tensor_per_hop": steps * alpha + steps * nbytes / bw,
         "latency_once": alpha + factor * nbytes / bw,
@@ -26,6 +27,7 @@ def _ring_mistakes(collective: str, nbytes: float, n: int, alpha: float, bw: flo
         wrong["reduce_scatter_only"] = (n - 1) * alpha + (n - 1) / n * nbytes / bw
     else:
         wrong["all_reduce_factor"] = 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bw
+    wrong["n_hops"] = n_hops * alpha + n_hops / n * nbytes / bw  # last: on 2 ranks n hops are an all-reduce's
     return wrong
 
 
@@ -90,6 +92,7 @@ def _bytes_mistakes(strategy: str, p: int, n: int, r: int, g: int) -> list[tuple
         wrong.append(("no_reshard_gathers_twice", share * p * (r + 2 * g)))
     if strategy in ("zero1", "zero2"):
         wrong.append(("zero_without_gather", share * p * r))
+        wrong.append(("zero_all_reduced", share * p * (2 * r + g)))
     return wrong
 
 
@@ -138,6 +141,8 @@ EXERCISES = (
             "is (hops / n) * S / B.",
             "latency_once": "the latency is paid on every hop, since each hop waits for the one before: hops * alpha.",
             "no_latency": "the latency term is missing: hops * alpha, which decides the time of small messages.",
+            "n_hops": "a ring of n ranks makes n - 1 hops a phase, not n: after n - 1 hops every segment has been "
+            "to every rank (2(n-1) hops for an all-reduce, and (n-1)/n of the tensor through each link per phase).",
             "all_reduce_factor": "only the all-reduce runs two phases. A reduce-scatter or an all-gather is one: "
             "n-1 hops and (n-1)/n of the tensor.",
         },
@@ -162,6 +167,9 @@ EXERCISES = (
             "all-gather and one reduce-scatter, DDP's volume.",
             "zero_without_gather": "after each rank steps its slice, the updated parameters must reach every rank: "
             "ZeRO-1 and ZeRO-2 all-gather them, so they send what DDP sends.",
+            "zero_all_reduced": "ZeRO-1 and ZeRO-2 reduce-scatter the gradients, since each rank steps only its own "
+            "shard, then all-gather the parameters: (n-1)/n each, DDP's bytes. An all-reduce of the gradients "
+            "would send twice the reduce-scatter's bytes.",
             "reduced_in_fp32": "the gradients were reduced in fp32 where they travel in reduce_bytes. fp32 is not "
             "a default of FSDP2: torch's MixedPrecisionPolicy reduces in param_dtype unless reduce_dtype says "
             "otherwise (the course's policy sets fp32), and DDP reduces in its gradients' dtype.",

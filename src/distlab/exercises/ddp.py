@@ -20,6 +20,7 @@ from torch.utils.data import DistributedSampler
 from ..testing import ToyWithFrozen
 from .catalog import Exercise
 from .trial import Trial
+from .verdict import ranks_said
 
 COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor"}
 
@@ -78,12 +79,10 @@ def _check_gradients(
             if [c.get("bytes") for c in calls] == every_parameter:
                 t.fail(what, f"it is rank {t.rank}'s own gradient; the {len(calls)} all-reduces had the sizes of "
                        "every parameter, the frozen one included", "averaged_parameters")  # fmt: skip
-            said = f"{len(calls)} all-reduce(s) on other tensors" if calls else "no collective at all"
-            t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient: {said}", "local_gradient")
+            _own_gradient(t, model, what, calls, f"rank {t.rank}'s own micro-batch gradient", "local_gradient")
         if n > 1 and _like(got, own[name] / n):
-            calls = _all_reduces(t, since)
-            said = f"its {len(calls)} all-reduce(s) summed other tensors" if calls else "no collective summed it"
-            t.fail(what, f"it is rank {t.rank}'s own micro-batch gradient divided by {n}: {said}", own_divided)
+            it_is = f"rank {t.rank}'s own micro-batch gradient divided by {n}"
+            _own_gradient(t, model, what, _all_reduces(t, since), it_is, own_divided)
         if n > 1 and _like(got, n * reference[name]):
             t.fail(what, f"it is {n} times the average over the {n} ranks: the sum", "summed")
         if n > 1 and _like(got, reference[name] / n):
@@ -94,12 +93,35 @@ def _check_gradients(
         t.expect_close(got, reference[name], what)
 
 
+def _own_gradient(t: Trial, model, what: str, calls: list[dict], it_is: str, mistake: str) -> None:
+    """A gradient still this rank's own: said "summed other tensors" only where the all-reduces' storages are
+    not the gradients' own (a copy such as p.grad / n); else what the trace shows, unnamed."""
+    grads = {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
+    if not calls:
+        t.fail(what, f"it is {it_is}: no collective summed it", mistake)
+    if any(c.get("storage") not in grads for c in calls):
+        t.fail(what, f"it is {it_is}: its {len(calls)} all-reduce(s) summed other tensors", mistake)
+    t.fail(what, f"it is {it_is}, though its {len(calls)} all-reduce(s) carried the gradients' own tensors", None)
+
+
 GRADIENT_CASES = ((4, 11), (2, 12), (3, 13))
 """(samples per rank, seed)."""
 
 
+def _waited(t: Trial, since: int) -> None:
+    """Every all-reduce started with async_op=True was waited for before the function returned: whether it had
+    finished by then cannot be read from the values (on an idle machine gloo often has)."""
+    started = [c for c in _all_reduces(t, since) if c.get("watched")]
+    unwaited = [c for c in started if not c.get("waited")]
+    if unwaited:
+        why = f"{len(unwaited)} of the {len(started)} all-reduces started with async_op=True were never waited for,"
+        t.fail("handling of the async all-reduces", f"{why} so each gradient was divided and read while its "
+               "all-reduce may still have been running", "not_waited")  # fmt: skip
+
+
 def average_gradients_trial(t: Trial, fn) -> None:
     n, r = t.world_size, t.rank
+    t.tracer.watch_waits = True  # an async all-reduce's wait is read from its handle
     for per_rank, seed in GRADIENT_CASES:
         with t.case(f"{per_rank} samples per rank"):
             model, x, y = _setup(seed, per_rank * n)
@@ -110,6 +132,7 @@ def average_gradients_trial(t: Trial, fn) -> None:
             before = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
             since = len(t.tracer.calls)
             t.call(fn, model)
+            _waited(t, since)
             _check_gradients(t, model, reference, own, since, before)
     calls = _all_reduces(t, since)
     t.note(f"{len(calls)} all-reduce(s) a step, {sum(c.get('bytes', 0) for c in calls)} bytes of gradients: "
@@ -155,6 +178,11 @@ def overlap_gradients_trial(t: Trial, fn) -> None:
                 t.fail("finish()", f"it returned without waiting for {len(unwaited)} of the {len(started)} "
                        f"all-reduces started in backward: until each is waited for, its gradient may still be "
                        f"rank {r}'s own, divided by {n}", "never_waited")  # fmt: skip
+            carried = Counter(c.get("storage") for c in started)
+            if len(started) > 1 and max(carried.values()) > 1:
+                said = f"all {len(started)} all-reduces" if len(carried) == 1 else \
+                    f"{sum(k for k in carried.values() if k > 1)} of the {len(started)} all-reduces"  # fmt: skip
+                t.fail("handling of p.grad", f"{said} carried the same tensor", "same_tensor")
             changed = [c for c in started if c.get("changed_in_flight")]
             if changed:
                 why = (f"{len(changed)} of the {len(started)} gradients were changed in place after their all-reduce "
@@ -189,7 +217,9 @@ def shard_trial(t: Trial, fn) -> None:
 
             expected = [sampler(rank) for rank in range(n_ranks)]
             got = [ask(rank) for rank in range(n_ranks)]
+            order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
             _diagnose_shards(t, got, expected, samples, sampler, ask, epoch)
+            _diagnose_cover(t, got, expected, order, drop_last)
             t.expect_close(torch.tensor(got[t.rank]), torch.tensor(expected[t.rank]), "slice",
                            locate=lambda i: f"position {i}")  # fmt: skip
     t.note("every rank's slice is DistributedSampler's, and together they cover the dataset.")
@@ -215,19 +245,48 @@ def _diagnose_shards(t: Trial, got, expected, samples, sampler, ask, epoch) -> N
         )
     if all(ask(rank, epoch + 1) == g for rank, g in enumerate(got)):
         t.fail("split of the dataset", f"epoch {epoch} and epoch {epoch + 1} gave the same slices", "epoch_ignored")
-    have, want = Counter(i for g in got for i in g), Counter(i for g in expected for i in g)
-    if have != want:
-        owners = {i: " and ".join(str(r) for r, g in enumerate(got) if i in g) for i in have}
-        extra = [f"sample {i} is on ranks {owners[i]}" + (f" ({have[i]} times; the sampler has it {want[i]})"
-                 if want[i] > 1 else "") for i in sorted(have) if have[i] > want[i]]  # fmt: skip
-        never = [f"sample {i} is on no rank" if not have[i] else f"sample {i} is there {have[i]} times, not {want[i]}"
-                 for i in sorted(want) if have[i] < want[i]]  # fmt: skip
-        t.fail("split of the dataset", "; ".join((extra + never)[:3]), "overlap_or_missing")
-    permutation = [expected[k % n][k // n] for k in range(sum(map(len, expected)))]  # padded, or cut
+    permutation = _interleaved(expected)  # padded, or cut
     per_rank = sizes[0]
     if got != expected and all(g == permutation[r * per_rank : (r + 1) * per_rank] for r, g in enumerate(got)):
         t.fail("split of the dataset", f"rank {t.rank} got a block of {per_rank} consecutive positions of the "
                "permutation", "contiguous_blocks")  # fmt: skip
+
+
+def _times(k: int) -> str:
+    return {1: "once", 2: "twice"}.get(k, f"{k} times")
+
+
+def _interleaved(slices: list[list[int]]) -> list[int]:
+    """The order the ranks' equal slices were cut from: position k * n + r is rank r's k-th index."""
+    n = len(slices)
+    return [slices[k % n][k // n] for k in range(n * len(slices[0]))]
+
+
+def _diagnose_cover(t: Trial, got, expected, order: list[int], drop_last: bool) -> None:
+    """Together the slices hold each sample as often as the sampler's do, or the verdict says which samples
+    differ and why: from the seeded ``order`` but padded otherwise, or padded where drop_last cuts; the global
+    RNG's hint only where the slices are not cut from the seeded order."""
+    have, want = Counter(i for g in got for i in g), Counter(i for g in expected for i in g)
+    if have == want:
+        return
+    samples, mine, sampler = len(order), _interleaved(got), _interleaved(expected)
+    owners = {i: [r for r, g in enumerate(got) if i in g] for i in have}
+    dropped = ", which the sampler leaves out with drop_last" if drop_last else ""
+    extra = [f"sample {i} is on {ranks_said(owners[i])}" + (dropped if not want[i] else "") +
+             (f" ({have[i]} times; the sampler has it {want[i]})" if want[i] > 1 else "")
+             for i in sorted(have) if have[i] > want[i]]  # fmt: skip
+    never = [f"sample {i} is on no rank" if not have[i] else f"sample {i} is there {_times(have[i])}, not "
+             f"{_times(want[i])}" for i in sorted(want) if have[i] < want[i]]  # fmt: skip
+    said, mistake = "; ".join((extra + never)[:3]), "overlap_or_missing"
+    seeded = mine[: min(samples, len(mine))] == order[: min(samples, len(mine))]
+    if seeded and drop_last and len(mine) > len(sampler):
+        said = f"each rank got {len(got[0])} indices, the sampler's {len(expected[0])}: {said}"
+        mistake = "drop_last_ignored"
+    elif seeded and not drop_last and len(mine) == len(sampler):
+        said = (f"the first {samples} positions are the seeded permutation, but the padding is {mine[samples:]}, "
+                f"where the sampler repeats the permutation's first {sampler[samples:]}: {said}")  # fmt: skip
+        mistake = "wrong_padding"
+    t.fail("split of the dataset", said, mistake)
 
 
 SAMPLER_MISTAKES = {
@@ -240,6 +299,10 @@ SAMPLER_MISTAKES = {
     "indices up to a multiple of N (drop_last=False), or cut it down to one (drop_last=True), before slicing.",
     "overlap_or_missing": "the slices overlap or leave samples out. Every rank must cut the same permutation: "
     "draw it with a torch.Generator seeded with seed + epoch, not the global RNG, which differs by rank.",
+    "wrong_padding": "pad with the permutation's first indices: DistributedSampler repeats order[:padding] at the "
+    "end, so that the ranks that get one sample more get the permutation's first ones again.",
+    "drop_last_ignored": "with drop_last, cut the permutation to floor(N / world_size) * world_size indices instead "
+    "of padding it: its last N % world_size samples go to no rank this epoch.",
     "epoch_ignored": "the order does not change with the epoch, as when sampler.set_epoch(epoch) is forgotten. "
     "DistributedSampler seeds its generator with seed + epoch.",
     "not_shuffled": "the order is not shuffled: draw torch.randperm(num_samples, generator=g) first.",
@@ -257,6 +320,8 @@ GRADIENT_MISTAKES = {
     "frozen_given_grad": "a frozen parameter (requires_grad=False) got a gradient. Skip parameters whose .grad is "
     "None: DDP reduces only what trains.",
     "gradient_dropped": "a trainable parameter lost its gradient: leave .grad a tensor.",
+    "not_waited": "you started the all-reduce with async_op=True and never waited: call .wait() on its handle "
+    "before dividing, or leave async_op off.",
     "averaged_twice": "you divided by N twice. dist.ReduceOp.AVG already divides the sum by N (so does dividing "
     "p.grad before a summing all-reduce): divide once.",
     "frozen_none_grad": "a parameter with requires_grad=False (here fc1.bias) has .grad None after backward. "
@@ -310,6 +375,8 @@ EXERCISES = (
             "async_op=True) reads and writes p.grad until its handle is waited for, so a p.grad /= n meanwhile "
             "races with it: divide before you launch the all-reduce (divide, then sum, gives the average), or "
             "after wait().",
+            "same_tensor": "your hook uses the loop variable p, which is the last parameter by the time hooks run; "
+            "use the tensor the hook receives (def hook(param): ... param.grad ...).",
             "never_waited": "finish() must wait for every all-reduce started in backward: keep the handle "
             "dist.all_reduce(..., async_op=True) returns and call its .wait() in finish(). Until then the "
             "gradient is whatever the all-reduce has reached, often this rank's own divided by N.",

@@ -210,6 +210,8 @@ def _wrong_answers(units, n: int, keep: bool, value: int) -> dict[str, int]:
         "forgot_root": sum(padded[:-1]) if keep else max(padded[:-1], default=0),
         "shards_not_whole": expected_gathered_bytes("fsdp-no-reshard" if keep else "fsdp", n, units, value) // n,
     }
+    whole_units = [-(-total // n) * n for total in exact]  # ZeRO's flat padding, per unit: not FSDP2's
+    wrong["unit_padding"] = (sum(whole_units) if keep else whole_units[-1] + max(whole_units[:-1], default=0)) * value
     if keep:
         wrong["freed_after_forward"] = expected_gathered_bytes("fsdp", n, units, value)
     else:
@@ -236,6 +238,12 @@ def gathered_bytes_trial(t: Trial, fn) -> None:
                 )
 
 
+def _mesh_on_error(failure: dict) -> str | None:
+    """A mesh asked for on CUDA where the ranks run on the CPU: torch's words for a machine without a GPU."""
+    no_gpu = ("NVIDIA driver", "not compiled with CUDA", "No CUDA GPUs", "CUDA driver")
+    return "mesh_device" if any(words in failure["message"] for words in no_gpu) else None
+
+
 EXERCISES = (
     Exercise(
         name="fsdp2_shard_model",
@@ -248,7 +256,11 @@ EXERCISES = (
         library="distlab.parallel.fsdp2.FSDP2.wrap",
         trial=shard_model_trial,
         ranks=2,
+        on_error=_mesh_on_error,
         mistakes={
+            "mesh_device": "build the mesh on the device the model's parameters are on: "
+            "init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),)). A GPU tutorial's "
+            'init_device_mesh("cuda", ...) fails where the ranks run on the CPU, as the check\'s gloo ranks do.',
             "root_first": "the root was wrapped before its units. fully_shard(model) shards every parameter inside "
             "it, so a unit wrapped afterwards holds DTensors already: wrap each unit first, the model last.",
             "no_root": "the units are wrapped but the model is not. Its own parameters (the input layer and the "
@@ -278,6 +290,8 @@ EXERCISES = (
         mistakes={
             "no_padding": "a dimension 0 that does not divide by n is padded before the all-gather. FSDP2 pads "
             "every rank's shard to ceil(d0 / n) rows, so a parameter of d0 rows is gathered as ceil(d0 / n) * n.",
+            "unit_padding": "FSDP2 pads each parameter's first dimension to a multiple of n, not the unit's total: "
+            "a parameter of d0 rows is gathered as ceil(d0 / n) * n rows (ZeRO's flat buffer pads the total).",
             "forgot_root": "the root unit's parameters are gathered too. They are used first in forward and last "
             "in backward (a GPT's tied embedding and head), so they stay gathered beside every other unit.",
             "shards_not_whole": "that is one rank's shard. The peak counts whole parameters: n shards gathered.",

@@ -33,7 +33,9 @@ def _copy_mistakes(nbytes: int, pinned: bool, link: float, stage: float, chunk: 
     wrong = [("gibibytes", right * 1e9 / 2**30)]
     if pinned:
         return wrong + [("pinned_staged", model_copy_time(nbytes, False, link, stage, chunk))]
+    whole_chunks = nbytes // chunk * chunk  # the last, partial chunk left out
     return wrong + [
+        ("partial_chunk", model_copy_time(whole_chunks, pinned, link, stage, chunk) if whole_chunks else 0.0),
         ("pageable_as_pinned", nbytes / (link * 1e9)),
         ("stage_then_send", nbytes / (stage * 1e9) + nbytes / (link * 1e9)),
         ("no_pipeline_fill", nbytes / (min(stage, link) * 1e9)),
@@ -128,6 +130,8 @@ EXERCISES = (
         trial=copy_time_trial,
         ranks=1,
         mistakes={
+            "partial_chunk": "the last chunk is partial when chunk_bytes does not divide nbytes, and it is staged and "
+            "sent too: ceil(nbytes / chunk_bytes) chunks, the last one nbytes - (k - 1) * chunk_bytes long.",
             "pageable_as_pinned": "from pageable memory the DMA engine cannot read the source: the host first "
             "copies each chunk into a pinned staging buffer, at the staging rate.",
             "stage_then_send": "staging and sending overlap: with two buffers the host stages chunk k+1 while the "

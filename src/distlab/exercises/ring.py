@@ -14,7 +14,8 @@ import torch
 
 from ..comm.collectives import segment_bounds
 from .catalog import Exercise
-from .trial import Trial, ranks_said
+from .trial import Trial
+from .verdict import ranks_said
 
 LENGTHS = (12, 10, 4)
 """Divides by 2, 3 and 4; does not divide by 3 or 4; leaves 1-element segments at 3 ranks and 4."""
@@ -150,6 +151,22 @@ def _cut_differently(t: Trial, got, total: torch.Tensor, length: int, n: int, ri
         )
 
 
+def _floor_segments(t: Trial, got, total: torch.Tensor, length: int, n: int, right: int) -> None:
+    """A segment summed right but cut numel // n long, which leaves numel % n values in no segment: say so."""
+    size, left = length // n, length % n
+    a, b = right * size, (right + 1) * size
+    if not left or not isinstance(got, torch.Tensor) or got.shape != (size,) or not size:
+        return
+    if torch.equal(got.detach().cpu().float(), total[a:b]):
+        cut = " + ".join([str(size)] * n)
+        t.fail(
+            "returned segment",
+            f"it is the sum of elements {a}..{b - 1}: your segments cut {length} values as {cut} and leave "
+            f"{'one' if left == 1 else left} out",
+            "floor_segments",
+        )
+
+
 def _in_place(t: Trial, result, tensor: torch.Tensor, before: torch.Tensor, expected: torch.Tensor) -> None:
     """The collective's answer is ``tensor`` itself: a new tensor returned, with ``tensor`` left as it was, fails."""
     if not isinstance(result, torch.Tensor) or not torch.equal(tensor.detach().cpu(), before):
@@ -202,6 +219,7 @@ def reduce_scatter_trial(t: Trial, fn) -> None:
                 and torch.equal(got.cpu(), total)
             ):
                 t.fail("returned tensor", "it is the whole summed tensor", "whole_tensor")
+            _floor_segments(t, got, total, length, n, (r + 1) % n)
             left_out = _ranks_left_out(got, datas, a, b)
             if left_out:
                 _nothing_added(t, left_out, mine, version)
@@ -330,6 +348,8 @@ EXERCISES = (
             "gives the first numel % n segments one value more (10 values on 3 ranks: 4, 3, 3), where torch.chunk "
             "cuts pieces of ceil(numel / n) until the values run out (4, 4, 2), and can return fewer than n pieces. "
             "Cut with segment_bounds, as the ring this check compares with does.",
+            "floor_segments": "segments of numel // n leave numel % n values in no segment: cut with "
+            "segment_bounds(tensor.numel(), n), which gives the first numel % n segments one value more.",
             "partial_sum": "the segment misses some ranks' values: a segment needs n - 1 hops to collect every "
             "rank's contribution, and at each hop a rank must add what it received into the segment it sends next.",
         },

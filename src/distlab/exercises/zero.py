@@ -5,7 +5,7 @@ zeros to a multiple of N and cut into N equal shards, rank r owning shard r. Eve
 from generators seeded by the case, so it computes what the collectives should leave it (the averaged gradient,
 the stepped parameters) alone, with no collective of its own. Every rank makes all its calls of the learner's
 function before it checks any: a rank whose answer is wrong is reported wrong, not as the other ranks left
-waiting in its next call's collective. The fourth is graded against :func:`distlab.predict.memory.expected_state_bytes`.
+waiting in its next call's collective. The fourth, the bytes per rank, is in :mod:`.zero_memory`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import re
 import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
-from itertools import product
 
 import torch
 
-from ..predict.memory import BYTES_PER_VALUE, expected_state_bytes
 from .catalog import Exercise
 from .trial import Trial, storages_reached
+from .zero_memory import EXERCISES as MEMORY_EXERCISES
 
 NUMELS = (11, 12)
 """Values in a flat buffer: 11 needs padding on 2, 3 or 4 ranks, 12 divides by 2, 3 and 4."""
@@ -119,6 +118,11 @@ def _zero1_check(t: Trial, got: dict, before, expected, momentum_all, size: int,
         t.fail("momentum", f"{why} {n * size} (1/{n})", "state_not_sharded" if momentum.numel() >= numel else None)
     momentum = momentum.reshape(-1)
     if not _close(momentum, momentum_all[shard[r]]):
+        if _close(momentum, (1 - BETA) * momentum_all[shard[r]]):
+            why = f"it is (1 - beta) = {1 - BETA:g} times this shard's momentum: m = beta * m + (1 - beta) * g"
+            t.fail(
+                "momentum", f"{why} averages the gradients, where SGD's momentum adds each one whole", "ema_momentum"
+            )
         if n > 1 and _close(momentum, momentum_all[shard[r]] / n):
             why = f"it is this shard's momentum divided by {n}: flat_grad was divided by {n} once more"
             t.fail("momentum", why, "divided_again")
@@ -244,6 +248,41 @@ def _unit_loss(flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     return ((x @ weight.T + bias - y) ** 2).mean()
 
 
+FREED = "the parameter loss_fn was given holds {held} of its {numel} values when backward reads it"
+NO_GRAD = "loss_fn was given a parameter that does not require grad, so backward gives it no gradient"
+
+
+class _UnitForward(torch.autograd.Function):
+    """The unit's linear layer on an input that requires grad, as a real unit's is (the activation of the unit
+    before): its backward reads the weight to pass the gradient on, and it reads the parameter loss_fn was given
+    as it is *then*. A parameter freed after forward (its storage resized to nothing, or ``.data`` swapped for an
+    empty tensor) and not gathered again fails there; gathered again in place, it passes."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, x: torch.Tensor, fan_out: int) -> torch.Tensor:
+        ctx.flat = flat  # the learner's own tensor, not a saved copy: what it holds at backward is what is read
+        ctx.shape, ctx.fan_out = flat.shape, fan_out
+        ctx.save_for_backward(x)
+        values = flat.detach().reshape(-1)
+        fan_in = x.shape[1]
+        return x @ values[: fan_out * fan_in].view(fan_out, fan_in).T + values[fan_out * fan_in :][:fan_out]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        flat, fan_out, fan_in = ctx.flat, ctx.fan_out, x.shape[1]
+        numel = ctx.shape.numel()
+        held = min(flat.numel(), flat.untyped_storage().nbytes() // flat.element_size() - flat.storage_offset())
+        if held < numel:
+            raise RuntimeError(FREED.format(held=max(held, 0), numel=numel))
+        weight = flat.detach().reshape(-1)[: fan_out * fan_in].view(fan_out, fan_in)
+        grad_flat = torch.zeros(numel, dtype=grad_out.dtype, device=grad_out.device)
+        grad_flat[: fan_out * fan_in] = (grad_out.T @ x).reshape(-1)
+        grad_flat[fan_out * fan_in : fan_out * fan_in + fan_out] = grad_out.sum(0)
+        ctx.flat = None  # the parameter is the learner's to free once backward is over
+        return grad_flat.view(ctx.shape), grad_out @ weight, None
+
+
 def _unit_data(fan_in: int, fan_out: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(7000 + 100 * fan_in + 10 * fan_out + rank)
     x = torch.randint(-3, 4, (2, fan_in), generator=generator).float()
@@ -264,6 +303,8 @@ def _zero3_call(t: Trial, fn, fan_in: int, fan_out: int):
     for x, y in batches:  # one process's gradient of each rank's loss, at the whole parameter
         leaf = full.clone().requires_grad_(True)
         grads.append(torch.autograd.grad(_unit_loss(leaf, x, y), leaf)[0])
+    x_mine = batches[r][0].clone().requires_grad_(True)
+    input_grad = torch.autograd.grad(_unit_loss(full, x_mine, batches[r][1]), x_mine)[0]
     gathered = []
 
     def loss_fn(flat):
@@ -271,18 +312,23 @@ def _zero3_call(t: Trial, fn, fan_in: int, fan_out: int):
             got = flat.numel() if isinstance(flat, torch.Tensor) else type(flat).__name__
             why = f"loss_fn takes the unit's whole flat parameter, {padded} values (padding included); it got"
             raise ValueError(f"{why} {got} (this rank's shard is {size})")
-        record = {"values": flat.detach().cpu().clone(), "parameter": weakref.ref(flat), "gradient": None}
-        if flat.is_leaf and flat.requires_grad:  # the gradient's own reference, whether or not the parameter lives
+        if not flat.requires_grad:
+            raise ValueError(NO_GRAD)
+        x, y = (v.to(flat.device) for v in batches[r])
+        x = x.detach().clone().requires_grad_(True)  # the unit before's activation: backward passes its gradient on
+        record = {"values": flat.detach().cpu().clone(), "parameter": weakref.ref(flat), "gradient": None, "x": x}
+        if flat.is_leaf:  # the gradient's own reference, whether or not the parameter lives
             flat.register_post_accumulate_grad_hook(lambda p: record.update(gradient=weakref.ref(p.grad)))
         gathered.append(record)
-        return _unit_loss(flat.reshape(-1), *(v.to(flat.device) for v in batches[r]))
+        return ((_UnitForward.apply(flat, x, fan_out) - y) ** 2).mean()
 
     since = len(t.tracer.calls)
     seen = _observed(t, t.call(fn, full[r * size : (r + 1) * size].clone().to(t.device), loss_fn), since)
     reached = storages_reached(fn)
     seen["kept"] = [(_kept_bytes(g["parameter"], reached), _kept_bytes(g["gradient"], reached)) for g in gathered]
     seen["gathered"] = [g["values"] for g in gathered]
-    return partial(_zero3_check, t, seen, full, sum(grads) / n, numel)
+    seen["input_grads"] = [_cpu(g["x"].grad) for g in gathered]
+    return partial(_zero3_check, t, seen, full, sum(grads) / n, numel, input_grad)
 
 
 def _kept_bytes(ref: weakref.ref | None, reached: set[int]) -> int:
@@ -295,11 +341,15 @@ def _kept_bytes(ref: weakref.ref | None, reached: set[int]) -> int:
     return storage.nbytes() if storage.nbytes() and storage.data_ptr() in reached else 0
 
 
-def _zero3_check(t: Trial, seen: dict, full, mean, numel: int) -> None:
+def _zero3_check(t: Trial, seen: dict, full, mean, numel: int, input_grad: torch.Tensor) -> None:
     size, _ = _layout(numel, t.world_size)
     if not seen["gathered"]:
         t.fail("unit", "loss_fn was never called: gather the whole parameter, then call loss_fn on it", "not_gathered")
     t.expect_close(seen["gathered"][0].reshape(-1), full, "gathered parameter", locate=_locate(size, numel))
+    got = seen["input_grads"][0]
+    if got is not None and not _close(got, input_grad):  # backward read other values than forward's
+        why = "backward read other values of the parameter than forward did, so the gradient passed on to the"
+        t.fail("gradient of the unit's input", f"{why} unit before is wrong", "freed_before_backward")
     for kept in seen["kept"]:
         alive = [f"{what} ({b} bytes)" for what, b in zip(("the gathered parameter", "its gradient"), kept) if b]
         if alive:
@@ -312,76 +362,17 @@ def _zero3_check(t: Trial, seen: dict, full, mean, numel: int) -> None:
     _gradient_check(t, seen, mean, numel)
 
 
-# --- Bytes per rank --------------------------------------------------------------------------------------------
-
-TERMS = ("parameters", "gradients", "optimizer_state")
-DIVIDES = {"ddp": (), "zero1": TERMS[2:], "zero2": TERMS[1:], "zero3": TERMS}
-"""The terms each stage divides by N."""
-COUNTER = 4
-"""Adam's float32 step counter, one per tensor it steps (one flat tensor here). torch keeps it on the CPU unless
-Adam is capturable or fused: on gloo, as the course runs, it is the rank's memory like the rest; on a GPU it is
-host memory, not the GPU's."""
-PSIS, WORLD_SIZES = (1_000_000, 7_000_000_001), (1, 3, 8)
-"""Ψ that divides by 8 and not by 3, and a 7B model that divides by neither."""
-
-
-def _count(
-    term: str, precision: str, psi: int, n: int, divided: bool, padded: bool, master: bool = True, counter: bool = True
-) -> tuple[list[float], str]:
-    """One way of counting ``term``: the bytes it gives (unpadded shards: Ψ/N exactly, or rounded down), and the
-    arithmetic in words."""
-    shard = -(-psi // n)
-    if divided:
-        values, said = ([shard], f"ceil(Ψ/N) = {shard:,} values") if padded else ([psi / n, psi // n], "Ψ/N values")
-    elif padded:
-        values, said = [shard * n], f"ceil(Ψ/N)·N = {shard * n:,} values (the padded buffer)"
-    else:
-        values, said = [psi], f"Ψ = {psi:,} values"
-    per_value = BYTES_PER_VALUE["adam", precision][TERMS.index(term)] - (0 if master else 4)
-    extra = COUNTER if term == "optimizer_state" and counter else 0
-    said += f" × {per_value} bytes" + (" + 4 (Adam's step counter, on the CPU)" if extra else "")
-    return [v * per_value + extra for v in values], said
-
-
-def _diagnose(term: str, strategy: str, precision: str, psi: int, n: int, got: float) -> str | None:
-    """The mistake a wrong ``term`` is, where one way of counting it wrongly gives ``got``: a term divided or not
-    divided by N, then the master copy left out, the padding left out or added, the step counter left out."""
-    right = (term in DIVIDES[strategy], strategy != "ddp", True, True)
-    state = term == "optimizer_state"
-    for change in product((False, True), repeat=4):
-        if (change[2] and not (state and precision == "mixed")) or (change[3] and not state) or not any(change):
-            continue
-        way = [value != flip for value, flip in zip(right, change)]
-        if any(abs(value - got) < 0.5 for value in _count(term, precision, psi, n, *way)[0]):
-            if change[0]:
-                if strategy == "zero2" and not state:
-                    return "zero2_wrong_term"
-                return "sharded_too_early" if way[0] else "not_sharded"
-            return "no_master_copy" if change[2] else "no_padding" if change[1] else "step_counter"
+def _zero3_on_error(failure: dict) -> str | None:
+    """The mistake a learner's exception in ``zero3_unit`` says: loss_fn's own refusals, and the unit's backward
+    finding its parameter freed (torch's own words when a view of it is read)."""
+    message = failure["message"]
+    if "loss_fn takes" in message:
+        return "not_gathered"
+    if NO_GRAD in message or "does not require grad and does not have a grad_fn" in message:
+        return "gathered_without_grad"
+    if "when backward reads it" in message or "out of bounds for storage of size 0" in message:
+        return "freed_before_backward"
     return None
-
-
-def bytes_trial(t: Trial, fn) -> None:
-    for strategy, precision in product(DIVIDES, ("fp32", "mixed")):
-        with t.case(f"{strategy}, {precision}"):
-            for psi, n in product(PSIS, WORLD_SIZES):
-                _bytes_check(t, t.call(fn, psi, strategy, n, precision), strategy, precision, psi, n)
-
-
-def _bytes_check(t: Trial, got, strategy: str, precision: str, psi: int, n: int) -> None:
-    where = f"at Ψ={psi:,}, N={n}"
-    if isinstance(got, (tuple, list)) and len(got) == 3:
-        got = dict(zip(TERMS, got))
-    if not isinstance(got, dict) or set(TERMS) - set(got):
-        t.fail(f"answer {where}", f"expected a dict with keys {', '.join(TERMS)}, got {got!r:.80}", "not_a_dict")
-    expected = expected_state_bytes(psi, strategy, n, "adam", precision)
-    for term in TERMS:
-        value = got[term]
-        if not isinstance(value, (int, float)) or abs(value - expected[term]) >= 0.5:
-            right = _count(term, precision, psi, n, term in DIVIDES[strategy], strategy != "ddp")
-            shown = f"{value:,}" if isinstance(value, (int, float)) else repr(value)
-            mistake = _diagnose(term, strategy, precision, psi, n, value) if isinstance(value, (int, float)) else None
-            t.fail(f"{term} {where}", f"{shown} bytes, expected {expected[term]:,} = {right[1]}", mistake)
 
 
 # --- The exercises -------------------------------------------------------------------------------------------
@@ -423,6 +414,8 @@ EXERCISES = (
             "stepped shard into flat_params (all_gather_flat(stepped_shard, flat_params.numel()), then copy).",
             "not_in_place": "flat_params must hold the new values when your function returns: write into it "
             "(the all-gather's output is flat_params itself) rather than making a new tensor.",
+            "ema_momentum": "the momentum here is SGD's, m = beta * m + g, not an average: Adam's first moment "
+            "scales g by (1 - beta); SGD adds it whole.",
             "momentum_late": "you stepped with the momentum before this step's gradient was added to it, so at "
             "the first step (m = 0) nothing moved. Update the momentum first, then step with it: m = beta * m + g, "
             "then p -= lr * m.",
@@ -464,37 +457,15 @@ EXERCISES = (
             **SHARD_MISTAKES,
             "not_gathered": "loss_fn needs the unit's whole parameter: all-gather every rank's shard into a buffer "
             "of N * shard.numel() values first (all_gather_flat(shard, N * shard.numel())).",
+            "freed_before_backward": "backward reads the whole parameter: keep it until backward ends, or gather it "
+            "again before backward (ShardedUnit's pre-backward hook does).",
+            "gathered_without_grad": "backward gives a gradient only to a tensor that requires grad: call "
+            "full.requires_grad_(True) on the gathered buffer before loss_fn(full).",
             "gathered_kept": "ZeRO-3 holds a unit whole only while it computes. Keep no reference to the gathered "
             "buffer (in a global, a cache, the return value); the library resizes its storage to zero bytes.",
         },
-        on_error=lambda failure: "not_gathered" if "loss_fn takes" in failure["message"] else None,
+        on_error=_zero3_on_error,
         pages=("labs/lab_fsdp",),
     ),
-    Exercise(
-        name="zero_bytes_per_rank",
-        page="fsdp_from_scratch",
-        task="Return the bytes one rank holds for training with Adam, as a dict with keys parameters, gradients and "
-        "optimizer_state, for strategy ddp, zero1, zero2 or zero3, world_size N and precision fp32 or mixed. Count "
-        "as on the CPU, where the course runs: Adam's 4-byte step counter is then the rank's memory too.",
-        signature="def bytes_per_rank(num_params: int, strategy: str, world_size: int, precision: str) -> dict:",
-        solution="zero.bytes_per_rank",
-        library="distlab.predict.memory.expected_state_bytes",
-        trial=bytes_trial,
-        ranks=1,
-        mistakes={
-            "no_master_copy": "mixed precision keeps an fp32 master copy of the parameters in the optimizer state "
-            "beside Adam's two moments: 4 + 4 + 4 = 12 bytes a value, not 8.",
-            "sharded_too_early": "each stage divides one more term by N: ZeRO-1 the optimizer state only, ZeRO-2 also "
-            "the gradients, ZeRO-3 also the parameters; DDP divides nothing.",
-            "not_sharded": "this stage divides that term by N: ZeRO-1 the optimizer state, ZeRO-2 also the "
-            "gradients, ZeRO-3 all three.",
-            "zero2_wrong_term": "ZeRO-2 divides the gradients and the optimizer state by N, and keeps the "
-            "parameters whole on every rank.",
-            "no_padding": "a ZeRO stage pads its flat buffer with zeros to a multiple of N: a shard holds "
-            "ceil(Ψ/N) values, and a whole buffer ceil(Ψ/N)·N (DDP holds exactly Ψ).",
-            "step_counter": "Adam keeps a 4-byte step counter beside its moments, one per tensor it steps (one flat "
-            "tensor here): add 4 to the optimizer state. torch keeps it on the CPU, so it counts here, on gloo; on a "
-            "GPU it stays on the host (unless Adam is capturable or fused) and the GPU holds 4 bytes less.",
-        },
-    ),
+    *MEMORY_EXERCISES,
 )
