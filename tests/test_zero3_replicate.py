@@ -376,3 +376,24 @@ def test_named_shards_of_every_rank_make_the_whole_parameter_and_gradient(ranks2
             assert diff <= 1e-6 + 1e-5 * report["grad_scale"][name], f"rank {rank} {name}: {diff}"
     # the head's 451 values, ceil(451 / N) a segment: the bias lies in the last segment alone
     assert [length for _, length in sorted(lengths)] == [0] * (world_size - 1) + [VOCAB], lengths
+
+
+def materialized_on_meta(runtime) -> dict:
+    """gpt-tiny built on meta and initialised unit by unit (``materialize``), its norms whole or not."""
+    states = {}
+    for replicated in (True, False):
+        meta = build_model("gpt-tiny", device="meta")
+        wrapped = ShardedParameters(meta, meta.shard_units(), replicate=_norms(meta) if replicated else ())
+        wrapped.materialize(torch.device("cpu"), seed=3)
+        states[replicated] = wrapped.full_state_dict()
+        states[f"{replicated} replicated numel"] = wrapped.replicated.shard.numel() if wrapped.replicated else 0
+        states[f"{replicated} sharded numel"] = sum(unit.layout.numel for unit in wrapped.forward_order)
+    return states
+
+
+def test_a_model_materialized_from_meta_with_its_norms_whole_draws_the_same_weights(ranks2):
+    for states in ranks2.run(materialized_on_meta):
+        assert states["True replicated numel"] == 5 * 2 * 64 and states["False replicated numel"] == 0
+        assert states["True sharded numel"] == states["False sharded numel"] - 5 * 2 * 64  # no norm in a unit
+        assert states[True].keys() == states[False].keys()
+        assert all(torch.equal(states[True][k], states[False][k]) for k in states[False])
