@@ -177,10 +177,10 @@ class ShardedParameters(DataParallelWrapper):
     reduce-scatters their sum). Forward and backward hooks gather and free the
     units; ``prefetch`` starts the all-gathers of that many next units while this one computes (0: none).
 
-    ``replicate``: modules whose trainable parameters stay whole on every rank and are all-reduced as DDP's
-    are (:class:`.flat_param.ReplicatedUnit`). They are taken out first: a unit or the root that contains one (a block
-    and its norms) shards only its other parameters. A replicated module that is, or contains, a shard
-    unit is refused, since that unit's parameters cannot be both whole and sharded.
+    ``replicate``: modules whose trainable parameters stay whole on every rank and are all-reduced as
+    DDP's are (:class:`.flat_param.ReplicatedUnit`). They are taken out first: a unit or the root that
+    contains one (a block and its norms) shards only its other parameters. A replicated module that is,
+    or contains, a shard unit is refused, since that unit's parameters cannot be both whole and sharded.
     """
 
     def __init__(
