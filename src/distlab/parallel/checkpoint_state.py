@@ -8,12 +8,17 @@ it has.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .mini_ddp import DataParallelWrapper
+
+if TYPE_CHECKING:
+    from .mini_fsdp import ShardedParameters
 
 PER_PARAMETER, FLAT_OPTIMIZER, FLAT = "per-parameter", "flat optimizer state", "flat parameters and optimizer state"
 
@@ -60,3 +65,32 @@ class CheckpointState:
         set_state_dict(
             unwrap(self.model), self.optimizer, model_state_dict=self.tensors["model"], optim_state_dict=optimizer_state
         )
+
+
+class FlatState(CheckpointState):
+    """ZeRO-3: each unit's parameter slice and its optimizer state as DTensor pieces of the unit's flat
+    vector (so any number of ranks reads its own slices); frozen and replicated parameters and buffers, whole
+    on every rank, by name (the replicated ones' optimizer state as one flat tensor). Loaded in place."""
+
+    def __init__(self, model: ShardedParameters, optimizer: torch.optim.Optimizer, device_type: str):
+        self.model, self.optimizer = model, optimizer
+        initialize_optimizer_state(optimizer)
+        world = model.world_size
+        names = {id(module): name for name, module in model.module.named_modules()}
+        model_part, optimizer_part, sharded = {}, {}, set()
+        for unit in model.forward_order:
+            mesh = unit.collectives.owners_mesh(device_type, world)  # the ring keeps segment (r+1) % N on rank r
+            key = f"unit.{names[id(unit.module)] or 'root'}"
+            model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
+            optimizer_part |= unit.layout.shard_state_as_dtensors(key, optimizer.state[unit.shard], mesh)
+            sharded.update(id(p) for p in unit.layout.params)
+        if model.replicated is not None:  # whole on every rank, as the world size leaves them
+            optimizer_part |= {f"replicated.{k}": v for k, v in optimizer.state[model.replicated.shard].items()}
+        for key, tensor in model.module.state_dict(keep_vars=True).items():
+            if id(tensor) not in sharded:
+                model_part[key] = model.stored(tensor).detach()
+        self.tensors = {"model": model_part, "optimizer": optimizer_part}
+
+    def apply(self) -> None:
+        """Loaded in place; frozen parameters' copies for compute follow their loaded values."""
+        self.model.refresh_frozen()

@@ -11,17 +11,22 @@ vector (:meth:`FlatParams.shard_as_dtensor`): ``ceil(numel / N)`` values per
 rank is exactly how ``torch.chunk`` and a DTensor's ``Shard(0)`` split
 ``numel`` values, so ``torch.distributed.checkpoint`` knows where every
 piece sits and can load it on any number of ranks.
+
+ZeRO-3 keeps the parameters of the modules it replicates in the same picture
+over one rank (:class:`ReplicatedUnit`): one flat buffer, whole on every rank.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.collectives import ring_all_gather, ring_reduce_scatter
 from ..errors import DistlabError
+from .base import MixedPrecision
 
 
 class FlatParams:
@@ -53,6 +58,16 @@ class FlatParams:
             offset += p.numel()
         return views
 
+    def shard_pieces(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Views of this rank's slice (``values``: ``shard_numel`` long) that fall inside each parameter, in
+        order: the part of every parameter this rank holds, empty where it holds none."""
+        pieces, offset = [], 0
+        for p in self.params:
+            start, stop = (min(max(at - self.shard.start, 0), self.shard_numel) for at in (offset, offset + p.numel()))
+            pieces.append(values[start:stop])
+            offset += p.numel()
+        return pieces
+
     def shard_as_dtensor(self, values: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         """This rank's slice of a flat buffer (``values``: ``shard_numel`` long, padding
         included) as its ``Shard(0)`` piece of the unpadded ``numel``-long vector. It
@@ -72,6 +87,55 @@ class FlatParams:
             else value
             for name, value in state.items()
         }
+
+
+class ReplicatedUnit:
+    """The trainable parameters of the ``replicate`` modules, whole on every rank as under DDP: laid end to
+    end in one flat buffer (a :class:`.flat_param.FlatParams` over one rank: no padding, no slice), which the
+    optimizer steps. When backward ends, one all-reduce averages all their gradients. Under a ``param_dtype``
+    the modules compute on a copy in it, refreshed from the stepped values before each forward."""
+
+    def __init__(self, params: list[nn.Parameter], group=None, precision: MixedPrecision = MixedPrecision()):
+        self.group, self.world_size = group, dist.get_world_size(group)
+        self.layout = FlatParams(params, 1, 0)
+        self.shard = nn.Parameter(self.layout.flatten([p.detach() for p in params]))  # whole, named as units name it
+        self.full = self.shard.detach().to(precision.param_dtype or self.shard.dtype)  # the same storage in fp32
+        self.reduce_dtype = precision.reduce_dtype or self.full.dtype
+        for param, view in zip(params, self.layout.views(self.full)):
+            param.data = view  # the modules compute with views of the stepped values (or of their copy)
+        self.ready: set[int] = set()
+
+    def refresh(self) -> None:
+        """Before a forward: a low-precision copy takes the values the optimizer last stepped."""
+        if self.full.data_ptr() != self.shard.data_ptr():
+            self.full.copy_(self.shard.detach())
+
+    def gather_stepped_values(self) -> torch.Tensor:
+        return self.shard.detach()  # whole already: no collective
+
+    def stepped(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s values in the buffer the optimizer steps (a view)."""
+        return next(v for p, v in zip(self.layout.params, self.layout.views(self.shard.detach())) if p is param)
+
+    def completes_with(self, param: nn.Parameter) -> bool:
+        return False  # nothing starts until backward ends, so no reduce-scatter need finish first
+
+    def gradient_ready(self, param: nn.Parameter, sync: bool) -> None:
+        self.ready.add(id(param))
+
+    def end_backward(self, sync: bool) -> nn.Parameter | None:
+        """Average the gradients over ranks (unless under ``no_sync``, or none arrived); return a parameter
+        that got no gradient while others did, without reducing anything, else None."""
+        arrived, self.ready = self.ready, set()
+        missing = next((p for p in self.layout.params if id(p) not in arrived), None) if arrived else None
+        if sync and arrived and missing is None:
+            flat = self.layout.flatten([p.grad for p in self.layout.params]).to(self.reduce_dtype)
+            for p in self.layout.params:
+                p.grad = None  # the averaged gradient lives on as shard.grad, what the optimizer steps
+            dist.all_reduce(flat.div_(self.world_size), group=self.group)
+            summed = flat.to(self.shard.dtype)
+            self.shard.grad = summed if self.shard.grad is None else self.shard.grad.add_(summed)
+        return missing
 
 
 def segment_owners_mesh(device_type: str, owners: list[int]) -> DeviceMesh:
@@ -172,17 +236,22 @@ def resolve_collectives(name: str, backend: str) -> str:
     return name
 
 
-def clip_sharded_grad_norm_(shards: list[torch.Tensor], max_norm: float, group=None) -> float:
+def clip_sharded_grad_norm_(
+    shards: list[torch.Tensor], max_norm: float, group=None, whole: list[torch.Tensor] = ()
+) -> float:
     """Clip gradients that are cut into shards across ranks by their global
     norm: each rank sums the squares of its shards, one all-reduce adds the
     sums, and every rank scales its shards by the same factor. Padding is zero
-    and adds nothing. Returns the norm before clipping."""
+    and adds nothing. ``whole``: gradients every rank holds whole and equal
+    (ZeRO-3's replicated parameters), counted once, after the all-reduce.
+    Returns the norm before clipping."""
     device = shards[0].device if shards else torch.device("cpu")
-    squares = sum((s.double().pow(2).sum() for s in shards), torch.zeros((), dtype=torch.float64, device=device))
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    squares = sum((s.double().pow(2).sum() for s in shards), zero)
     dist.all_reduce(squares, group=group)
-    norm = squares.sqrt().item()
+    norm = (squares + sum((w.double().pow(2).sum().to(device) for w in whole), zero)).sqrt().item()
     scale = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon
     if scale < 1:
-        for shard in shards:
-            shard.mul_(scale)
+        for grad in [*shards, *whole]:
+            grad.mul_(scale)
     return norm

@@ -13,8 +13,12 @@ The whole parameters exist only while their unit computes:
   (SHARD_GRAD_OP); when the gradient of the unit's output arrives, its
   backward is next, and the buffer is gathered again if it was freed;
 * once the last of the unit's gradients has accumulated, they are flattened,
-  averaged over ranks by a reduce-scatter into this rank's slice, and the
-  whole gradients and the whole parameters are freed.
+  the whole gradients and parameters are freed, and a reduce-scatter starts
+  averaging the flat gradient into this rank's slice. It is not waited for:
+  the next unit's backward computes while it runs. The next unit to start one
+  waits for it first (one unit's flat gradient in flight at a time, as
+  ZeRO-2 keeps one bucket's), and the last one is waited for when backward ends
+  (:meth:`ShardedParameters.finish_gradient_sync`).
 
 Freeing resizes the buffer's storage to zero bytes rather than dropping the
 tensor: the parameters, and the views of them autograd saved for backward,
@@ -22,11 +26,15 @@ keep pointing at that storage, and the next gather refills it in place.
 
 Frozen parameters and buffers stay whole on every rank (broadcast from rank 0
 at wrap, as in the course's DDP): they have no gradient and no optimizer
-state to shard.
+state to shard. So do the trainable parameters of the modules listed in
+``replicate`` (norms: too small for a gather's latency to buy anything), as
+DDP keeps them: their gradients are all-reduced in one collective when
+backward ends (:class:`.flat_param.ReplicatedUnit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import ClassVar
 
@@ -37,10 +45,11 @@ import torch.nn as nn
 from ..errors import DistlabError
 from ..models import require_shard_units
 from .base import MixedPrecision, ShardingOptions, Strategy, _state_values, _unique
-from .checkpoint_state import FLAT, CheckpointState, initialize_optimizer_state
+from .checkpoint_state import FLAT, FlatState
 from .flat_param import (
     COLLECTIVES,
     FlatParams,
+    ReplicatedUnit,
     TorchCollectives,
     clip_sharded_grad_norm_,
     resolve_collectives,
@@ -75,6 +84,7 @@ class ShardedUnit:
             param.data = view  # from now on the module computes with views of the gathered buffer
         self.full_bytes = self.full.untyped_storage().nbytes()
         self.pending = None  # the work of a prefetch's all-gather still in flight
+        self.reducing = None  # a reduce-scatter in flight: its input, its output and its work
         self.ready: set[int] = set()  # ids of the parameters whose gradient this backward has completed
         self.free()
 
@@ -108,9 +118,13 @@ class ShardedUnit:
         self.wait()
         self.full.untyped_storage().resize_(0)
 
+    def completes_with(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is the last of the unit's this backward waits for."""
+        return len(self.ready | {id(param)}) == len(self.layout.params)
+
     def gradient_ready(self, param: nn.Parameter, sync: bool) -> None:
-        """``param``'s gradient is complete for this backward. After the unit's last one,
-        reduce-scatter them all (or, under ``no_sync``, keep them whole) and free the parameters."""
+        """``param``'s gradient is complete for this backward. After the unit's last one, start
+        reduce-scattering them all (or, under ``no_sync``, keep them whole) and free the parameters."""
         self.ready.add(id(param))
         if len(self.ready) == len(self.layout.params):
             self.ready.clear()
@@ -119,15 +133,30 @@ class ShardedUnit:
             self.free()
 
     def reduce_scatter_gradients(self) -> None:
+        """Start averaging the unit's gradients into this rank's slice, and return: the whole gradients are
+        freed now, the flat copy once :meth:`finish_reduce_scatter` has waited for the collective."""
         flat = self.layout.flatten([p.grad for p in self.layout.params]).to(self.reduce_dtype)
+        for p in self.layout.params:
+            p.grad = None  # only this rank's slice of the gradient outlives the backward
         flat.div_(self.world_size)  # average before summing: no overflow in low precision
-        reduced = self.collectives.reduce_scatter(flat, self.layout.shard).to(self.shard.dtype)
+        reduced, work = self.collectives.start_reduce_scatter(flat, self.layout.shard)
+        self.reducing = (flat, reduced, work)  # flat stays referenced until the collective has read it
+        if work is None:  # the ring's point-to-point messages have already done it
+            self.finish_reduce_scatter()
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter in flight, if any: its slice becomes (or adds to) ``shard.grad``."""
+        if self.reducing is None:
+            return
+        _, reduced, work = self.reducing
+        self.reducing = None
+        if work is not None:
+            work.wait()
+        reduced = reduced.to(self.shard.dtype)
         if self.shard.grad is None:
             self.shard.grad = reduced
         else:
             self.shard.grad += reduced  # gradients accumulate until zero_grad, as on any parameter
-        for p in self.layout.params:
-            p.grad = None  # only this rank's slice of the gradient outlives the backward
 
     def end_backward(self) -> nn.Parameter | None:
         """Free whatever a backward left gathered; return a parameter that got no gradient
@@ -147,6 +176,11 @@ class ShardedParameters(DataParallelWrapper):
     backwards accumulate whole gradients locally, and the next synced backward
     reduce-scatters their sum). Forward and backward hooks gather and free the
     units; ``prefetch`` starts the all-gathers of that many next units while this one computes (0: none).
+
+    ``replicate``: modules whose trainable parameters stay whole on every rank and are all-reduced as
+    DDP's are (:class:`.flat_param.ReplicatedUnit`). They are taken out first: a unit or the root that
+    contains one (a block and its norms) shards only its other parameters. A replicated module that is,
+    or contains, a shard unit is refused, since that unit's parameters cannot be both whole and sharded.
     """
 
     def __init__(
@@ -158,11 +192,13 @@ class ShardedParameters(DataParallelWrapper):
         collectives: str = "torch",
         group=None,
         precision: MixedPrecision = MixedPrecision(),
+        replicate: list[nn.Module] = (),
     ):
+        _refuse_replicated_units(units, replicate)
         super().__init__(module, group)  # broadcasts rank 0's weights; gradient hooks call _gradient_ready
         self.reshard_after_forward, self.prefetch, self.precision = reshard_after_forward, prefetch, precision
         self.frozen_masters: dict[int, torch.Tensor] = {}  # frozen parameters' own values, under param_dtype
-        self._collectives, self._unit_modules = COLLECTIVES[collectives](group), units
+        self._collectives, self._unit_modules, self._replicate = COLLECTIVES[collectives](group), units, replicate
         if not any(p.is_meta for p in module.parameters()):
             self._install(self._shard(units, self._collectives))
         # else: built on meta, sharded by materialize() as it initialises each unit
@@ -174,7 +210,10 @@ class ShardedParameters(DataParallelWrapper):
         # Forward gathers the root first, then the units; backward starts from the root's output.
         self.forward_order = [self.root, *self.units] if self.root else self.units
         self.backward_order = [self.root, *self.units[::-1]] if self.root else self.units[::-1]
-        self.unit_of = {p: unit for unit in sharded for p in unit.layout.params}
+        whole = _unique([p for m in self._replicate for p in m.parameters() if p.requires_grad])
+        self.replicated = ReplicatedUnit(whole, self.group, self.precision) if whole else None
+        self.every_unit = [*self.forward_order, *([self.replicated] if self.replicated else [])]
+        self.unit_of = {p: unit for unit in self.every_unit for p in unit.layout.params}
         if self.precision.param_dtype is not None:  # frozen parameters compute in it too; their values stay
             for p in self.module.parameters():
                 if not p.requires_grad and p.is_floating_point():
@@ -191,12 +230,13 @@ class ShardedParameters(DataParallelWrapper):
         return [unit for module in [*units, self.module] for unit in self._shard_one(module, claimed, collectives)]
 
     def _shard_one(self, module: nn.Module, claimed: set[int], collectives: TorchCollectives) -> list[ShardedUnit]:
+        whole = {id(p) for m in self._replicate for p in m.parameters()}  # now: materialize() replaces parameters
         if module is not self.module and any(id(p) in claimed for p in module.parameters()):
             raise DistlabError(
                 f"zero3: shard unit {type(module).__name__} shares a parameter with an earlier unit: "
                 "units must not overlap (leave modules that share a weight to the root)"
             )
-        params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed | whole]
         claimed.update(id(p) for p in params)
         return [ShardedUnit(module, params, collectives, self.group, self.precision)] if params else []
 
@@ -227,10 +267,29 @@ class ShardedParameters(DataParallelWrapper):
         return self
 
     def shard_parameters(self) -> list[nn.Parameter]:
-        """What this rank stores of the trainable model, and what its optimizer steps."""
-        return [unit.shard for unit in self.forward_order]
+        """What this rank stores of the trainable model, and what its optimizer steps: a slice per unit,
+        and the replicated parameters whole (one flat tensor, last)."""
+        return [unit.shard for unit in self.every_unit]
+
+    def named_shards(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """``(name, values, gradient)`` for each trainable parameter, in ``named_parameters()`` order: the views
+        of this rank's part of it in its unit's ``shard`` and ``shard.grad`` (flat, possibly empty; the
+        gradient None until a synced backward gave one). A replicated parameter's are whole, in its shape."""
+        views = {}
+        for unit in self.every_unit:
+            grad = unit.shard.grad
+            values = unit.layout.shard_pieces(unit.shard.detach())
+            grads = [None] * len(values) if grad is None else unit.layout.shard_pieces(grad)
+            for param, value, piece in zip(unit.layout.params, values, grads):
+                shape = param.shape if unit is self.replicated else (-1,)
+                views[param] = (value.view(shape), None if piece is None else piece.view(shape))
+        for name, param in self.module.named_parameters():
+            if param in views:
+                yield name, *views[param]
 
     def forward(self, *args, **kwargs):
+        if self.replicated is not None:
+            self.replicated.refresh()
         return self.module(*self._cast(args), **self._cast(kwargs))
 
     def _cast(self, inputs):
@@ -271,12 +330,24 @@ class ShardedParameters(DataParallelWrapper):
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         self._on_first_gradient()  # finish_gradient_sync runs once this backward ends
-        self.unit_of[param].gradient_ready(param, sync=self.require_sync)
+        unit = self.unit_of[param]
+        if self.require_sync and unit.completes_with(param):
+            self._finish_reduce_scatters()  # the one in flight is done: one unit's flat gradient at a time
+        unit.gradient_ready(param, sync=self.require_sync)
+
+    def _finish_reduce_scatters(self) -> None:
+        for unit in self.forward_order:
+            unit.finish_reduce_scatter()
 
     def finish_gradient_sync(self) -> None:
-        """After each backward: free whatever is still gathered, and refuse a unit left
-        half-reduced (some of its parameters took no part in the loss)."""
-        missing = [p for p in [unit.end_backward() for unit in self.forward_order] if p is not None]
+        """After each backward: wait for the last reduce-scatter, all-reduce the replicated gradients, free
+        whatever is still gathered, and refuse a unit left half-reduced (some of its parameters took no
+        part in the loss)."""
+        self._finish_reduce_scatters()
+        ended = [unit.end_backward() for unit in self.forward_order]
+        if self.replicated is not None:
+            ended.append(self.replicated.end_backward(sync=self.require_sync))
+        missing = [p for p in ended if p is not None]
         if missing:
             name = next((n for n, p in self.module.named_parameters() if p is missing[0]), "?")
             raise DistlabError(
@@ -290,7 +361,7 @@ class ShardedParameters(DataParallelWrapper):
         ``{}`` elsewhere). Gathers one unit at a time: a collective, every rank must call it."""
         keep = not rank0_only or dist.get_rank(self.group) == 0
         copies = {}
-        for unit in self.forward_order:  # one unit whole at a time, in the dtype the optimizer steps
+        for unit in self.every_unit:  # one unit whole at a time, in the dtype the optimizer steps
             whole = unit.gather_stepped_values()
             if keep:
                 copies.update({id(p): v.cpu().clone() for p, v in zip(unit.layout.params, unit.layout.views(whole))})
@@ -300,7 +371,10 @@ class ShardedParameters(DataParallelWrapper):
         return {key: copies.get(id(t), self.stored(t)).detach().cpu().clone() for key, t in tensors.items()}
 
     def stored(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A frozen parameter's or buffer's own values (not its low-precision copy for compute)."""
+        """A frozen parameter's or buffer's own values, a replicated parameter's as the optimizer steps
+        them (not their low-precision copy for compute)."""
+        if self.replicated is not None and self.unit_of.get(tensor) is self.replicated:
+            return self.replicated.stepped(tensor)
         return self.frozen_masters.get(id(tensor), tensor)
 
     def refresh_frozen(self) -> None:
@@ -308,6 +382,17 @@ class ShardedParameters(DataParallelWrapper):
         for p in self.module.parameters():
             if id(p) in self.frozen_masters:
                 p.data.copy_(self.frozen_masters[id(p)])
+
+
+def _refuse_replicated_units(units: list[nn.Module], replicate: list[nn.Module]) -> None:
+    for module in replicate:
+        unit = next((u for u in units if any(u is m for m in module.modules())), None)
+        if unit is not None:
+            relation = "is" if unit is module else "contains"
+            raise DistlabError(
+                f"zero3: the replicated {type(module).__name__} {relation} the shard unit {type(unit).__name__}, "
+                "whose parameters are sharded: replicate modules that are not units and hold none (a unit's norms)"
+            )
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -365,8 +450,9 @@ class Zero3(Strategy):
         return factory(model.shard_parameters())
 
     def clip_grad_norm_(self, model, max_norm):
-        shards = [shard.grad for shard in model.shard_parameters() if shard.grad is not None]
-        return clip_sharded_grad_norm_(shards, max_norm, model.group)
+        shards = [unit.shard.grad for unit in model.forward_order if unit.shard.grad is not None]
+        whole = [model.replicated.shard.grad] if model.replicated and model.replicated.shard.grad is not None else []
+        return clip_sharded_grad_norm_(shards, max_norm, model.group, whole=whole)
 
     def build(self, meta, runtime, seed, sharded_init=False):
         if sharded_init:  # each unit is sharded as it is initialised: only the shards ever exist
@@ -379,36 +465,10 @@ class Zero3(Strategy):
     def state_tensors(self, model, optimizer):
         shards = model.shard_parameters()
         frozen = [p for p in model.module.parameters() if not p.requires_grad]  # whole on every rank
+        compute_copy = [model.replicated.full] if model.replicated else []  # the stepped values in fp32
         return {
-            "parameters": _unique(shards + frozen),
+            "parameters": _unique(shards + frozen + compute_copy),
             "gradients": [t.grad for t in shards + model.params if t.grad is not None],  # slices, whole under no_sync
             "optimizer_state": _state_values(optimizer.state),
             "gathered": [unit.full for unit in model.forward_order if unit.is_gathered],
         }
-
-
-class FlatState(CheckpointState):
-    """ZeRO-3: each unit's parameter slice and its optimizer state as DTensor pieces of the unit's flat
-    vector (so any number of ranks reads its own slices); frozen parameters and buffers, whole on every rank,
-    by name. Loaded in place."""
-
-    def __init__(self, model: ShardedParameters, optimizer: torch.optim.Optimizer, device_type: str):
-        self.model, self.optimizer = model, optimizer
-        initialize_optimizer_state(optimizer)
-        world = model.world_size
-        names = {id(module): name for name, module in model.module.named_modules()}
-        model_part, optimizer_part, sharded = {}, {}, set()
-        for unit in model.forward_order:
-            mesh = unit.collectives.owners_mesh(device_type, world)  # the ring keeps segment (r+1) % N on rank r
-            key = f"unit.{names[id(unit.module)] or 'root'}"
-            model_part[key] = unit.layout.shard_as_dtensor(unit.shard, mesh)
-            optimizer_part |= unit.layout.shard_state_as_dtensors(key, optimizer.state[unit.shard], mesh)
-            sharded.update(id(p) for p in unit.layout.params)
-        for key, tensor in model.module.state_dict(keep_vars=True).items():
-            if id(tensor) not in sharded:
-                model_part[key] = model.stored(tensor).detach()
-        self.tensors = {"model": model_part, "optimizer": optimizer_part}
-
-    def apply(self) -> None:
-        """Loaded in place; frozen parameters' copies for compute follow their loaded values."""
-        self.model.refresh_frozen()
