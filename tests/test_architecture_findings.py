@@ -173,4 +173,4 @@ def test_a6_the_process_runner_is_named_for_what_it_is_apart_from_the_test_fixtu
     for name in ("run_job", "stop_job", "failure_reason", "torchrun_command", "launcher_environment"):
         assert getattr(launch, name).__module__ == "distlab.jobs", name
     source = Path(testing.__file__).read_text()
-    assert "def stop_job" not in source and "def _failure_reason" not in source and "TCPStore" not in source
+    assert "def stop_job" not in source and "def reason_from_lines" not in source and "TCPStore" not in source

@@ -331,11 +331,11 @@ def test_train_writes_per_rank_memory_that_matches_the_model(ranks2, tmp_path, s
 
 
 def test_a_failed_job_is_reported_by_its_reason_not_its_banner():
-    from distlab.jobs import _failure_reason
+    from distlab.jobs import reason_from_lines
 
     banner = "distlab: fsdp | cnn (405,898 parameters) | synthetic | 2 rank(s)\n"
-    assert _failure_reason([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
-    crashed = _failure_reason(
+    assert reason_from_lines([banner, "distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
+    crashed = reason_from_lines(
         [banner, "epoch 1/1 | train loss 2.2\n", "terminate called without an active exception\n"]
     )
     assert "terminate called" in crashed and "epoch 1/1" in crashed

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,19 +109,44 @@ def stop_job(process: subprocess.Popen, grace_s: float = 5.0) -> None:
     _wait_for_state(remaining, "ZX", within_s=5.0)  # SIGKILL is sent at once, but a process takes a moment to end
 
 
-def run_job(command: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+def run_job(
+    command: list[str], timeout: float, env: dict | None = None, cwd=None, on_line=None
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)``, except that a job past
-    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
-    )
+    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised. Given
+    ``on_line``, the job's output (its stderr in its stdout) goes to ``on_line`` line by line as it runs (a
+    notebook shows a job's progress live), and the result's ``stdout`` holds all of it."""
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT if on_line else subprocess.PIPE}
+    process = subprocess.Popen(command, **streams, text=True, env=env, cwd=cwd, start_new_session=True)
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        if on_line is None:
+            stdout, stderr = process.communicate(timeout=timeout)
+        else:
+            stdout, stderr = _streamed(process, timeout, on_line), None
     except BaseException:
         stop_job(process)
         process.communicate()
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _streamed(process: subprocess.Popen, timeout: float, on_line) -> str:
+    """Each line of the job's output to ``on_line`` as it comes. A job that hangs never closes its output, so a
+    watchdog stops it at ``timeout``, and ``TimeoutExpired`` says so."""
+    timed_out = threading.Event()
+    watchdog = threading.Timer(timeout, lambda: (timed_out.set(), stop_job(process)))
+    watchdog.start()
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            on_line(line)
+        process.wait()
+    finally:
+        watchdog.cancel()
+    if timed_out.is_set():
+        raise subprocess.TimeoutExpired(process.args, timeout, output="".join(lines))
+    return "".join(lines)
 
 
 def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
@@ -142,10 +168,10 @@ def launcher_environment(threads_per_rank: int) -> dict[str, str]:
 
 def failure_reason(output: str) -> str:
     """Why the torchrun job that wrote ``output`` failed, in one line (a lab that runs a job itself says it)."""
-    return _failure_reason(output.splitlines(keepends=True))
+    return reason_from_lines(output.splitlines(keepends=True))
 
 
-def _failure_reason(lines: list[str]) -> str:
+def reason_from_lines(lines: list[str]) -> str:
     """Why a job failed, in one line, in the job's own words, never torchrun's report (its traceback, its
     ``error_file: <N/A>``, its banner): a rank ended by a signal (torchrun's root cause); else the line its ranks
     wrote about why (``distlab: error ...`` or ``distlab: rank ...``); else the exception a rank died of (the
@@ -233,12 +259,12 @@ def _ranks_output(lines: list[str]) -> list[str]:
     for i, line in enumerate(lines):
         if _torchrun_traceback(lines, i) or _torchrun_report(lines, i):
             break
-        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not _torchrun_noise(line):
+        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not is_torchrun_noise(line):
             kept.append(line.strip())
     return kept
 
 
-def _torchrun_noise(line: str) -> bool:
+def is_torchrun_noise(line: str) -> bool:
     """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
     return (
         "OMP_NUM_THREADS" in line
