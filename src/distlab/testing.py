@@ -58,7 +58,8 @@ it in a collective never answers, and the call fails now, not at its timeout."""
 
 
 class RankFailed(RuntimeError):
-    """A call on a :class:`RankPool` that raised on a rank, timed out or lost a rank; the pool is gone."""
+    """A call on a :class:`RankPool` that raised on a rank, timed out, lost a rank or left behind what cannot be
+    undone; the pool is gone."""
 
 
 def call_seed(call: int, rank: int) -> int:
@@ -101,7 +102,8 @@ def _lasting_state() -> tuple[set[int], dict[str, dict[str, int]]]:
     """What the pool cannot put back after a call: its process groups, and each attribute of distlab's loaded
     modules (by id: a monkeypatch rebinds one)."""
     modules = {n: m for n, m in list(sys.modules.items()) if n.split(".")[0] == "distlab" and m is not None}
-    return set(map(id, dist.distributed_c10d._world.pg_map)), {
+    groups = dist.distributed_c10d._world.pg_map  # every group this process is in (torch has no public list)
+    return set(map(id, groups)), {
         name: {key: id(value) for key, value in vars(module).items()} for name, module in modules.items()
     }
 
