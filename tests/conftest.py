@@ -64,7 +64,7 @@ def tiny_mnist(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks started once for the session: ``ranks2.run(fn, *args)`` runs ``fn(runtime, *args)`` on
-    both and returns each rank's value (:class:`distlab.jobs.RankPool`)."""
+    both and returns each rank's value (:class:`distlab.testing.RankPool`)."""
     with RankPool(2) as pool:
         yield pool
 

@@ -12,18 +12,24 @@ import torch
 from distlab.testing import run_ranks
 
 
-def _free_memory_seen_by(runtime):
+def _presets_planned_by(runtime, argv: list[str]):
     from distlab.bench import sweep
+    from distlab.cli import parse
 
-    sweep.available_bytes = lambda: (1 + runtime.rank) * 2**30  # each rank reads /proc/meminfo at its own moment
-    return sweep.memory_free_on_every_rank(runtime)
+    # one rank reads almost nothing free, its peer plenty (each rank reads /proc/meminfo at its own moment)
+    sweep.available_bytes = lambda: [1, 2**50][runtime.rank]
+    fits, skipped, _ = sweep.planned_presets(parse(sweep.SweepConfig, argv), runtime)
+    return fits, skipped
 
 
-def test_a2_the_sweeps_memory_guard_is_the_same_on_every_rank(tmp_path):
+def test_a2_every_rank_of_the_sweep_selects_the_same_presets_whatever_memory_it_reads(tmp_path):
     """A2: each rank of the sweep judged which presets fit by its own free memory, and what fits selects the
     collectives every rank then calls: ranks on either side of the line would wait for each other forever. The
-    memory judged is now the smallest over the ranks, the same on each."""
-    assert run_ranks(_free_memory_seen_by, 2, tmp_path) == [(2**30, 2), (2**30, 2)]
+    memory judged is now the smallest over the ranks, the same on each, so both ranks select the same presets.
+    Fresh ranks: the test patches a module, which the pool refuses."""
+    planned = run_ranks(_presets_planned_by, 2, tmp_path, ["--models", "gpt-tiny,gpt-mini"])
+    assert planned[0] == planned[1], f"rank 0 selected {planned[0]}, rank 1 {planned[1]}"
+    assert planned[0] == ([], ["gpt-tiny", "gpt-mini"]), "the smallest free memory, one byte, fits nothing"
 
 
 def test_a3_the_launcher_decides_where_ranks_run_and_tells_them(monkeypatch):
@@ -119,19 +125,43 @@ def test_a12_a_labs_report_is_labelled_with_the_ranks_its_runs_ran_on(monkeypatc
     assert folder.name.startswith("nvidia-h200-2x-")
 
 
-def test_a5_every_rank_started_here_comes_from_one_server_with_one_preload_list():
-    """A5: the tests' ranks and the grader's each set the forkserver's preload list, two lists for one server, and
-    the first to start it won (the grader's ranks then imported torch._dynamo after the fork). One list and one
-    rank start now live in distlab.jobs, and nothing else sets a preload or writes a rank's environment."""
-    import importlib.util
+def _where_this_rank_came_from(runtime):
+    import os
+    import sys
 
     from distlab import jobs
 
-    package = Path(jobs.__file__).parent
-    for needle in ("set_forkserver_preload", "RANK=str(rank)"):
-        assert [p.name for p in package.rglob("*.py") if needle in p.read_text()] == ["jobs.py"], needle
-    assert {"torch._dynamo", "distlab.train", "distlab.exercises.trial"} <= set(jobs.PRELOAD)
-    assert all(importlib.util.find_spec(name) for name in jobs.PRELOAD)
+    return os.getppid(), [name for name in jobs.PRELOAD if name not in sys.modules]
+
+
+def test_a5_every_rank_started_here_comes_from_one_server_with_one_preload_list(ranks2, tmp_path, monkeypatch):
+    """A5: the tests' ranks and the grader's each set the forkserver's preload list, two lists for one server, and
+    the first to start it won (the grader's ranks then imported torch._dynamo after the fork). Now the ranks of
+    run_ranks, of the pool and of the grader are all children of one server, and each finds every module of
+    jobs.PRELOAD imported before it ran a line of its own."""
+    import multiprocessing.context
+    import multiprocessing.forkserver
+
+    from distlab import jobs
+    from distlab.exercises import grader
+    from distlab.exercises.catalog import get
+
+    grader_ranks = []
+    started = multiprocessing.context.ForkServerProcess.start
+
+    def start_and_record_the_parent(process):
+        started(process)
+        grader_ranks.append(int(jobs._stat_fields(process.pid)[1]))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(multiprocessing.context.ForkServerProcess, "start", start_and_record_the_parent)
+        assert grader.grade("ring_reduce_scatter", get("ring_reduce_scatter").solution_function()).passed
+    assert grader_ranks, "the grader started its ranks from the forkserver"
+    fresh = run_ranks(_where_this_rank_came_from, 2, tmp_path)
+    pooled = ranks2.run(_where_this_rank_came_from)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert {parent for parent, _ in fresh + pooled} | set(grader_ranks) == {server}, "one server for every rank"
+    assert [missing for _, missing in fresh + pooled] == [[]] * 4, "each rank was forked with jobs.PRELOAD loaded"
 
 
 def test_a6_the_process_runner_is_named_for_what_it_is_apart_from_the_test_fixtures():
@@ -143,4 +173,4 @@ def test_a6_the_process_runner_is_named_for_what_it_is_apart_from_the_test_fixtu
     for name in ("run_job", "stop_job", "failure_reason", "torchrun_command", "launcher_environment"):
         assert getattr(launch, name).__module__ == "distlab.jobs", name
     source = Path(testing.__file__).read_text()
-    assert "def stop_job" not in source and "def _failure_reason" not in source and "TCPStore" not in source
+    assert "def stop_job" not in source and "def reason_from_lines" not in source and "TCPStore" not in source

@@ -10,7 +10,6 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from distlab.data import DeviceResidentLoader, SyntheticImages, load_datasets, shard_indices
 from distlab.errors import DistlabError
 from distlab.runtime import Runtime, distributed
-from distlab.testing import run_ranks
 
 CPU = torch.device("cpu")
 
@@ -85,10 +84,12 @@ def evaluate_cnn(runtime, dataset_size: int):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_distributed_evaluation_equals_single_process(tmp_path, world_size):
+def test_distributed_evaluation_equals_single_process(request, world_size):
     n = 101  # uneven over 2 and 3 ranks: padding must not be counted
-    single = run_ranks(evaluate_cnn, 1, tmp_path, n)[0]
-    ranks = run_ranks(evaluate_cnn, world_size, tmp_path, n)
+    # one process: this one, in a one-rank group in memory; fork_rng puts back the generator evaluate_cnn reseeds
+    with torch.random.fork_rng(), distributed("cpu") as runtime:
+        single = evaluate_cnn(runtime, n)
+    ranks = request.getfixturevalue(f"ranks{world_size}").run(evaluate_cnn, n)
     for result in ranks:
         assert result["samples"] == n
         assert result["accuracy"] == single["accuracy"]

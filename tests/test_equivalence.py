@@ -257,6 +257,19 @@ def test_fsdp_shards_are_exactly_one_over_n(two_ranks):
 def test_clipping_by_the_global_norm_equals_the_large_batch(one_rank, two_ranks, strategy):
     for rank in two_ranks:
         assert_same_state(_state(rank, f"clipped_{strategy}"), _state(one_rank, "clipped_16"))
+    # and the norm bit: the same run without clipping (trained here in one process, once for every strategy) ends
+    # elsewhere
+    from distlab.runtime import distributed
+    from distlab.testing import ATOL, RTOL
+
+    if "unclipped_16" not in one_rank:
+        with distributed("cpu") as runtime:
+            unclipped = _config(strategy="single", batch_size=16, **{**CLIPPED, "max_grad_norm": 0})
+            one_rank["unclipped_16"] = train_and_report(runtime, unclipped)
+    clipped, unclipped = _state(one_rank, "clipped_16"), _state(one_rank, "unclipped_16")
+    assert any(not torch.allclose(clipped[k], unclipped[k], atol=ATOL, rtol=RTOL) for k in clipped), (
+        "the clipped run equals the unclipped one: no step clipped"
+    )
 
 
 @pytest.mark.slow

@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 import yaml
 
 from distlab.measure import hardware
+from support import bare_kaggle_kernel, python_without_distlab, site_extension
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = (ROOT / "scripts" / "lab_setup.py").read_text()
@@ -167,33 +166,11 @@ def test_hardware_on_this_machine_and_the_p2p_decision(tmp_path: Path):
     assert {"gpus", "peer_access", "topology", "dev_shm", "nccl_env"} <= set(saved)
 
 
-def _python_without_distlab(tmp_path: Path) -> Path:
-    """A Python whose kernel cannot import distlab but has everything else this one has (torch, ipykernel,
-    pip). A fresh venv, no pip of its own, reads a view of this environment's site-packages: a folder of
-    symlinks to every entry except distlab's (the editable install's .pth and finder, its dist-info). The view
-    goes on sys.path through a .pth line naming it, so .pth files inside it are never run, and pip, seeing no
-    distlab installed, installs into the venv's own site-packages. torch is shared, never reinstalled, and the
-    environment the tests run in is not touched."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
-    python = tmp_path / "venv" / "bin" / "python"
-    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.check_output([python, "-c", query], text=True).strip())
-    view = tmp_path / "site-view"
-    view.mkdir()
-    for source in {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}:
-        for entry in source.iterdir():
-            if not entry.name.startswith(("distlab", "__editable__")) and entry.suffix != ".pth":
-                if not (view / entry.name).exists():
-                    (view / entry.name).symlink_to(entry)
-    (site / "site-view.pth").write_text(f"{view}\n")
-    return python
-
-
 @pytest.mark.kaggle
 @pytest.mark.parametrize("lab", LABS)  # the book shows the labs unrun: this is where each one runs
 def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(lab, bundle, tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
-    python = _python_without_distlab(tmp_path)
+    python = python_without_distlab(tmp_path)
     found = subprocess.check_output([python, "-c", "import importlib.util as u; print(u.find_spec('distlab'))"])
     assert found.strip() == b"None", "the kernel's Python must not see distlab yet"
     # /kaggle/input, laid out as Kaggle mounts it since 2026 (datasets/<owner>/<slug>/), the slug a symlink.
@@ -208,17 +185,10 @@ def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(
     source = "".join(cell["source"])
     assert source.count('"/kaggle/input/') == 1
     cell["source"] = source.replace('"/kaggle/input/', f'"{inputs}/')  # the only change: where the input is
-    kernels = tmp_path / "jupyter" / "kernels" / "kaggle-play"
-    kernels.mkdir(parents=True)
-    spec = {"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python"}
-    (kernels / "kernel.json").write_text(json.dumps({**spec, "display_name": "Kaggle played here"}))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # an index would fail: the wheel must do
-    for name in ("PYTHONPATH", "DISTLAB_SOURCE", "NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE"):
-        monkeypatch.delenv(name, raising=False)
+    kernel = bare_kaggle_kernel(tmp_path, monkeypatch, python, "kaggle-play", "Kaggle played here")
     nb = pytest.importorskip("nbformat").reads(json.dumps(notebook), as_version=4)
     where = {"metadata": {"path": str(working)}}
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="kaggle-play", resources=where).execute()
+    nbclient.NotebookClient(nb, timeout=300, kernel_name=kernel, resources=where).execute()
     site = next((tmp_path / "venv" / "lib").glob("python*/site-packages"))
     assert (site / "distlab" / "__init__.py").is_file(), "distlab was installed into the kernel's environment"
     assert not list(site.glob("torch*")), "torch was not reinstalled"
@@ -237,16 +207,8 @@ def test_kaggle_played_here_a_bare_lab_installs_distlab_from_the_wheel_and_runs(
             assert (working / "results" / f"lab0-{name}.json").is_file()
 
 
-def _site_extension():
-    pytest.importorskip("sphinx", reason="the book's extension needs Sphinx, which the book's stack has")
-    spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
-    site = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(site)
-    return site
-
-
 def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
-    site = _site_extension()
+    site = site_extension()
     url = site.kaggle_url("https://github.com/someone/distlab/", "main", "labs/lab_fsdp")
     assert (
         url
@@ -258,7 +220,7 @@ def test_open_in_kaggle_points_kaggle_at_the_lab_notebook_on_github():
 def test_only_the_repository_config_yml_names_is_linked(tmp_path: Path):
     """Jupyter Book puts its own repository in the theme's options when _config.yml names none: the
     extension reads _config.yml itself, so no link points anywhere but this course's repository."""
-    site = _site_extension()
+    site = site_extension()
     book = tmp_path / "book"
     book.mkdir()
     (tmp_path / "_config.yml").write_text("title: t\nrepository:\n  path_to_book: book\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_kaggle import _python_without_distlab
+from support import bare_kaggle_kernel, python_without_distlab
 
 pytestmark = pytest.mark.kaggle
 
@@ -61,7 +61,7 @@ def up_to_first_job(notebook: dict) -> dict:
 def test_a_bare_lab_on_kaggles_t4_pair_installs_from_the_wheel_and_sets_up_its_gpu_branch(layout, wheel, tmp_path,
                                                                                           monkeypatch):  # fmt: skip
     nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
-    python = _python_without_distlab(tmp_path)
+    python = python_without_distlab(tmp_path)
     inputs = tmp_path / "input"
     dataset = inputs / LAYOUTS[layout]
     dataset.mkdir(parents=True)
@@ -73,21 +73,14 @@ def test_a_bare_lab_on_kaggles_t4_pair_installs_from_the_wheel_and_sets_up_its_g
     setup = next(cell for cell in notebook["cells"] if cell["cell_type"] == "code" and cell.get("id") != "two-t4s")
     source = "".join(setup["source"])
     setup["source"] = source.replace('"/kaggle/input/', f'"{inputs}/')  # the only change: where the input is
-    kernels = tmp_path / "jupyter" / "kernels" / "kaggle-gpu"
-    kernels.mkdir(parents=True)
-    spec = {"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python"}
-    (kernels / "kernel.json").write_text(json.dumps({**spec, "display_name": "Kaggle's T4 pair, simulated"}))
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # no index: the wheel must do
+    kernel = bare_kaggle_kernel(tmp_path, monkeypatch, python, "kaggle-gpu", "Kaggle's T4 pair, simulated")
     monkeypatch.setenv("PYTHONPATH", ":/opt/facets/facets_overview/python/")  # Kaggle's image sets this
-    for name in ("DISTLAB_SOURCE", "NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE"):
-        monkeypatch.delenv(name, raising=False)
     nb = nbformat.reads(json.dumps(notebook), as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(
         "import json, os\nprint(json.dumps({'P': [P.ranks, P.device, P.backend], 'ON_GPU': ON_GPU, 'COMMON': COMMON, "
         "'NCCL': os.environ.get('NCCL_P2P_DISABLE'), 'distlab': __import__('distlab').__file__}))"
     ))  # fmt: skip
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="kaggle-gpu", resources={"metadata": {"path": str(working)}}
+    nbclient.NotebookClient(nb, timeout=300, kernel_name=kernel, resources={"metadata": {"path": str(working)}}
                             ).execute()  # fmt: skip
     said = json.loads("".join(output.get("text", "") for output in nb.cells[-1].outputs))
     assert said["P"] == [2, "cuda", "nccl"] and said["ON_GPU"]

@@ -112,10 +112,10 @@ def test_a_rank_ended_by_another_signal_is_named_with_its_last_words():
         "  rank      : 1 (local_rank: 1)\n",
         "  exitcode  : -6 (pid: 6933)  (SIGABRT)\n",
     ]
-    assert launch._failure_reason(output) == (
+    assert launch.reason_from_lines(output) == (
         "rank 1 was killed by SIGABRT; the job's last words: terminate called without an active exception"
     )
-    assert launch._failure_reason(["distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
+    assert launch.reason_from_lines(["distlab: error: --batch-size must be at least 1\n"]).startswith("distlab: error")
 
 
 # What torchrun printed for jobs that failed on the course's first GPU machine (an H200, 2026-11-27, at af2257a;
@@ -230,6 +230,33 @@ def test_a_good_command_line_or_a_script_goes_on_to_launch(monkeypatch, tmp_path
     ]:
         with pytest.raises(_NoLaunch):
             launch.torchrun(target, *args, nproc=1, echo=False)
+
+
+def test_a_pages_training_launch_parses_its_command_line_once(monkeypatch, tmp_path: Path):
+    """B8: ``launch.train`` parsed the command line, then ``torchrun`` parsed the same arguments again; it now hands
+    ``torchrun`` the parsed config."""
+    parsed_again = []
+    monkeypatch.setattr(launch, "check_command_line", lambda *args: parsed_again.append(args))
+    monkeypatch.setattr(launch, "run_job", _no_launch)
+    with pytest.raises(_NoLaunch):
+        launch.train("--strategy", "ddp", "--device", "cpu", nproc=2, out=tmp_path, echo=False)
+    assert parsed_again == []
+
+
+def test_one_runner_captures_a_job_or_streams_it_line_by_line_as_it_runs():
+    """B8: ``jobs.run_job`` is the one runner: captured, or each line handed on while the job still runs."""
+    script = "import sys, time; print('first', flush=True); print('said', file=sys.stderr, flush=True); "
+    script += "time.sleep(1); print('last')"
+    captured = launch.run_job([sys.executable, "-c", script], timeout=60)
+    assert (captured.stdout, captured.stderr) == ("first\nlast\n", "said\n")
+    seen = []
+    streamed = launch.run_job(
+        [sys.executable, "-c", script], 60, on_line=lambda line: seen.append((line, time.monotonic()))
+    )
+    assert [line for line, _ in seen] == ["first\n", "said\n", "last\n"] and streamed.stdout == "first\nsaid\nlast\n"
+    assert seen[-1][1] - seen[0][1] > 0.5, "the first line came while the job ran, not when it ended"
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch.run_job([sys.executable, "-c", "import time; time.sleep(60)"], 1, on_line=seen.append)
 
 
 def test_device_flags_go_to_the_entry_points_that_take_them():

@@ -17,7 +17,7 @@ from distlab.models import (
     require_shard_units,
 )
 from distlab.parallel.init import materialize
-from distlab.testing import CNN_PARAMETERS, run_ranks
+from distlab.testing import CNN_PARAMETERS
 
 
 def test_cnn_parameter_count_from_its_layers():
@@ -102,8 +102,8 @@ def shard_a_meta_gpt(runtime):
     }
 
 
-def test_a_meta_model_sharded_then_materialised_holds_only_its_shards(tmp_path):
-    ranks = run_ranks(shard_a_meta_gpt, 2, tmp_path)
+def test_a_meta_model_sharded_then_materialised_holds_only_its_shards(ranks2):
+    ranks = ranks2.run(shard_a_meta_gpt)
     total = gpt_param_count(GPT_PRESETS["gpt-tiny"])
     assert [r["total_numel"] for r in ranks] == [total, total]
     # every gpt-tiny parameter has an even first dimension: exactly half each, no padding
@@ -134,10 +134,10 @@ def zero3_from_meta_and_whole(runtime):
     return {"held": held, "gathered": gathered_now, "initial_equal": initial_equal, "stepped_equal": stepped_equal}
 
 
-def test_zero3_built_on_meta_holds_only_its_slices_and_equals_the_whole_initialisation(tmp_path):
+def test_zero3_built_on_meta_holds_only_its_slices_and_equals_the_whole_initialisation(ranks2):
     """zero3 wrapped on meta initialises unit by unit (never the whole model on a rank) with the draws
     of the whole-model path: the same weights, the same step; only this rank's slices stay."""
-    ranks = run_ranks(zero3_from_meta_and_whole, 2, tmp_path)
+    ranks = ranks2.run(zero3_from_meta_and_whole)
     total = gpt_param_count(GPT_PRESETS["gpt-tiny"])
     for rank in ranks:
         assert rank["initial_equal"] and rank["stepped_equal"]

@@ -19,7 +19,6 @@ from distlab.exercises import grader
 from distlab.exercises.catalog import all_exercises
 from distlab.parallel import STRATEGIES
 from distlab.runtime import Placement, Runtime, place
-from distlab.testing import run_ranks
 
 GPUS = (0, 1, 2, 4, 8)
 RANKS = (None, 1, 2, 4)
@@ -137,8 +136,8 @@ def _reduced(rt):
     return {op: rt.reduce([rt.rank + 1.0, -rt.rank], op) for op in ("sum", "max", "min", "mean")}
 
 
-def test_runtime_reduce_combines_every_ranks_numbers(tmp_path):
-    got = run_ranks(_reduced, 3, tmp_path)
+def test_runtime_reduce_combines_every_ranks_numbers(ranks3):
+    got = ranks3.run(_reduced)
     assert got[0] == got[2] == {"sum": [6.0, -3.0], "max": [3.0, 0.0], "min": [1.0, -2.0], "mean": [2.0, -1.0]}
 
 
@@ -150,8 +149,8 @@ def _slowest_median(rt):
     return slowest_median_step_s(TrainResult(None, state, 0, {}), rt)
 
 
-def test_the_slowest_ranks_median_step_is_reduced_with_runtime_reduce(tmp_path):
-    assert run_ranks(_slowest_median, 2, tmp_path) == [pytest.approx(0.2)] * 2
+def test_the_slowest_ranks_median_step_is_reduced_with_runtime_reduce(ranks2):
+    assert ranks2.run(_slowest_median) == [pytest.approx(0.2)] * 2
 
 
 def test_a_cpu_tensor_on_an_nccl_only_group_is_told_in_one_line(capsys):

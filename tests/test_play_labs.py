@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from distlab.measure import hardware
+from support import site_extension
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "play_labs.py"
@@ -168,14 +169,6 @@ def test_the_book_chooses_the_newest_valid_played_copy_and_refuses_a_broken_one(
     assert play.label(two) == "Played on 2 x Tesla T4 on 2026-04-01 at an unknown commit"
 
 
-def _site_extension():
-    pytest.importorskip("sphinx", reason="the book's extensions need Sphinx, which the book's stack has")
-    spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
-    site = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(site)
-    return site
-
-
 class _Env:
     def __init__(self, srcdir: Path, docnames: list[str]):
         self.srcdir, self.found_docs, self.dependencies = srcdir, set(docnames), []
@@ -191,7 +184,7 @@ def test_a_lab_page_shows_its_played_copy_with_its_label_instead_of_the_unrun_no
     """The Sphinx side, hook by hook: source-read swaps the played copy in, html-page-context (after the site's
     own extension put the "shown unrun" note on every lab page) puts the label in its place, and a lab whose
     chosen copy changed is read again."""
-    site = _site_extension()
+    site = site_extension()
     book = tmp_path / "book"
     env = _Env(book, ["labs/lab0_first_run", "labs/lab_fsdp", "running"])
     app = SimpleNamespace(srcdir=str(book), config=SimpleNamespace(distlab_played_labs="results/labs"), env=env)

@@ -18,7 +18,6 @@ from distlab.parallel.base import MixedPrecision
 from distlab.predict.costmodel import RING_FACTOR, collective_calls
 from distlab.predict.memory import parameter_shapes, shard_unit_shapes
 from distlab.predict.traffic import expected_bytes_per_step
-from distlab.testing import run_ranks
 
 VARIANTS = {
     "ddp": TorchDDP(),
@@ -76,8 +75,8 @@ def _expected(strategy: str, n: int) -> float:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_bytes_sent_per_step_equal_the_derivation(tmp_path, world_size):
-    ranks = run_ranks(one_step_counted, world_size, tmp_path)
+def test_bytes_sent_per_step_equal_the_derivation(request, world_size):
+    ranks = request.getfixturevalue(f"ranks{world_size}").run(one_step_counted)
     for sent in ranks:
         for name in VARIANTS:
             # torch DDP also broadcasts a few bytes of bookkeeping in every forward: counted, not gradients
@@ -108,12 +107,12 @@ def calls_on_gpt_mini(runtime):
     return second_step_counted(runtime, strategies, "gpt-mini", batch=1, optimizer=torch.optim.SGD)
 
 
-def test_the_cost_model_lists_the_buckets_torch_ddp_and_zero2_really_reduce(tmp_path):
+def test_the_cost_model_lists_the_buckets_torch_ddp_and_zero2_really_reduce(ranks2):
     # gpt-mini's gradients fill several buckets: torch DDP's 1 MiB first one, then 25 MB ones closed once
     # they reach the cap; ZeRO-2's 5 MB buckets, each reduce-scattered and all-gathered
     model = build_model("gpt-mini", device="meta")
     units, order = shard_unit_shapes(model), parameter_shapes(model)
-    counted = run_ranks(calls_on_gpt_mini, 2, tmp_path)[0]
+    counted = ranks2.run(calls_on_gpt_mini)[0]
     for name in ("ddp", "zero2"):
         calls = collective_calls(name, units, 2, "nccl", order=order)
         expected = Counter(collective for collective, _, _ in calls)
@@ -136,8 +135,8 @@ def count_each_collective(runtime):
     return counted.summary()
 
 
-def test_each_collective_is_counted_at_the_ring_volume(tmp_path):
-    for summary in run_ranks(count_each_collective, 3, tmp_path):
+def test_each_collective_is_counted_at_the_ring_volume(ranks3):
+    for summary in ranks3.run(count_each_collective):
         assert summary["all_reduce"]["bytes_sent"] == pytest.approx(2 * 2 / 3 * 480)
         assert summary["all_gather"]["bytes_sent"] == pytest.approx(2 / 3 * 480)
         assert summary["reduce_scatter"]["bytes_sent"] == pytest.approx(2 / 3 * 480)

@@ -3,14 +3,13 @@
 Two kinds of job. A torchrun job (a lab's or a chapter's launch, a benchmark, the GPU report) is a subprocess in
 a session of its own: :func:`run_job` runs it to the end or stops it whole, ranks included, and
 :func:`failure_reason` says in one line why it failed. Ranks started from this process (the grader's, the tests'
-:func:`run_ranks`, a :class:`RankPool`) are forked from one server process that imported torch once
-(:data:`PRELOAD`), and meet at a store this process hosts (:func:`hosted_rendezvous`); :func:`become_rank` is
-how each of them starts.
+:func:`run_ranks` and their pool, ``distlab.testing.RankPool``) are forked from one server process that imported
+torch once (:data:`PRELOAD`), and meet at a store this process hosts (:func:`hosted_rendezvous`);
+:func:`become_rank` is how each of them starts.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import signal
@@ -18,9 +17,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import traceback
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -110,19 +109,44 @@ def stop_job(process: subprocess.Popen, grace_s: float = 5.0) -> None:
     _wait_for_state(remaining, "ZX", within_s=5.0)  # SIGKILL is sent at once, but a process takes a moment to end
 
 
-def run_job(command: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+def run_job(
+    command: list[str], timeout: float, env: dict | None = None, cwd=None, on_line=None
+) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True, timeout=timeout)``, except that a job past
-    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True
-    )
+    its timeout (or interrupted) is stopped whole, ranks included, before ``TimeoutExpired`` is raised. Given
+    ``on_line``, the job's output (its stderr in its stdout) goes to ``on_line`` line by line as it runs (a
+    notebook shows a job's progress live), and the result's ``stdout`` holds all of it."""
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT if on_line else subprocess.PIPE}
+    process = subprocess.Popen(command, **streams, text=True, env=env, cwd=cwd, start_new_session=True)
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        if on_line is None:
+            stdout, stderr = process.communicate(timeout=timeout)
+        else:
+            stdout, stderr = _streamed(process, timeout, on_line), None
     except BaseException:
         stop_job(process)
         process.communicate()
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _streamed(process: subprocess.Popen, timeout: float, on_line) -> str:
+    """Each line of the job's output to ``on_line`` as it comes. A job that hangs never closes its output, so a
+    watchdog stops it at ``timeout``, and ``TimeoutExpired`` says so."""
+    timed_out = threading.Event()
+    watchdog = threading.Timer(timeout, lambda: (timed_out.set(), stop_job(process)))
+    watchdog.start()
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            on_line(line)
+        process.wait()
+    finally:
+        watchdog.cancel()
+    if timed_out.is_set():
+        raise subprocess.TimeoutExpired(process.args, timeout, output="".join(lines))
+    return "".join(lines)
 
 
 def torchrun_command(nproc: int, target: str, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
@@ -144,10 +168,10 @@ def launcher_environment(threads_per_rank: int) -> dict[str, str]:
 
 def failure_reason(output: str) -> str:
     """Why the torchrun job that wrote ``output`` failed, in one line (a lab that runs a job itself says it)."""
-    return _failure_reason(output.splitlines(keepends=True))
+    return reason_from_lines(output.splitlines(keepends=True))
 
 
-def _failure_reason(lines: list[str]) -> str:
+def reason_from_lines(lines: list[str]) -> str:
     """Why a job failed, in one line, in the job's own words, never torchrun's report (its traceback, its
     ``error_file: <N/A>``, its banner): a rank ended by a signal (torchrun's root cause); else the line its ranks
     wrote about why (``distlab: error ...`` or ``distlab: rank ...``); else the exception a rank died of (the
@@ -235,12 +259,12 @@ def _ranks_output(lines: list[str]) -> list[str]:
     for i, line in enumerate(lines):
         if _torchrun_traceback(lines, i) or _torchrun_report(lines, i):
             break
-        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not _torchrun_noise(line):
+        if line.strip() and not re.match(r"[IWE]\d{4} \d\d:", line) and not is_torchrun_noise(line):
             kept.append(line.strip())
     return kept
 
 
-def _torchrun_noise(line: str) -> bool:
+def is_torchrun_noise(line: str) -> bool:
     """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
     return (
         "OMP_NUM_THREADS" in line
@@ -321,8 +345,8 @@ def _rank_entry(rank: int, world_size: int, rendezvous: dict[str, str], fn, args
 def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
     """Run ``fn(runtime, *args)`` on ``world_size`` fresh gloo ranks (a group of their own, ended when ``fn``
     returns) and return each rank's return value, in rank order. Assert in the caller, not on the ranks: a
-    failure inside a rank surfaces only as an opaque spawn error. :class:`RankPool` runs many such calls on
-    ranks started once."""
+    failure inside a rank surfaces only as an opaque spawn error. ``distlab.testing.RankPool`` runs many such
+    calls on ranks started once."""
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
     out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
     rank_context()  # sets the server's preload before mp.start_processes starts it
@@ -335,138 +359,3 @@ def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
             start_method=RANK_START_METHOD,
         )
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
-GROUP_GRACE_S = 60.0
-"""How much longer than a :class:`RankPool` call's bound its ranks' collectives wait: the pool stops a call that
-hangs, and a rank whose caller is gone still ends."""
-
-
-class RankFailed(RuntimeError):
-    """A call on a :class:`RankPool` that raised on a rank, timed out or lost a rank; the pool is gone."""
-
-
-def _packed(value) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _unpacked(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _pool_rank(rank: int, world_size: int, rendezvous: dict[str, str], connection, timeout_s: float) -> None:
-    """One rank of a :class:`RankPool`: join the group once, then run each call sent until told to stop.
-    A call runs as on a fresh rank of :func:`run_ranks`: a fresh seed, float32 by default, the group the
-    library's ``distributed()`` finds and leaves alone."""
-    become_rank(rank, world_size, rendezvous)
-    from .runtime import distributed
-
-    # the caller bounds each call (timeout_s); a collective waits longer, so a call that hangs is named as one
-    with distributed("cpu", timeout_s=timeout_s + GROUP_GRACE_S) as runtime:
-        connection.send_bytes(b"ready")
-        while (message := connection.recv_bytes()) != b"stop":
-            fn, args = _unpacked(message)
-            torch.seed()
-            try:
-                answer = ("value", fn(runtime, *args))
-            except BaseException as err:  # noqa: BLE001 - sent to the caller, which raises it there
-                answer = ("raised", f"rank {rank}: {''.join(traceback.format_exception(err)).rstrip()}")
-            finally:
-                torch.set_default_dtype(torch.float32)
-            connection.send_bytes(_packed(answer))
-
-
-class RankPool:
-    """``world_size`` gloo ranks started once and joined in one group, on which many calls run:
-    ``pool.run(fn, *args)`` runs ``fn(runtime, *args)`` on every rank and returns each rank's value, as
-    :func:`run_ranks` does, without starting processes and a group for each call (PyTorch's own
-    ``MultiProcContinuousTest`` keeps its processes the same way).
-
-    A call that raises on any rank, or does not end within ``timeout_s``, or loses a rank, stops every rank
-    and raises :class:`RankFailed` with each rank's own words: the group may be mid-collective, so the next
-    call starts a fresh pool. Tests that are about a group's lifetime, failures or timeouts use
-    :func:`run_ranks`, whose group is their own."""
-
-    def __init__(self, world_size: int, timeout_s: float = 120.0):
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self._ranks: list = []
-        self._connections: list = []
-        self._store = ExitStack()  # the rendezvous store, held while the ranks live
-
-    def _start(self) -> None:
-        context = rank_context()
-        rendezvous = self._store.enter_context(hosted_rendezvous())
-        for rank in range(self.world_size):
-            mine, theirs = context.Pipe()
-            process = context.Process(
-                target=_pool_rank, args=(rank, self.world_size, rendezvous, theirs, self.timeout_s), daemon=True
-            )
-            process.start()
-            theirs.close()
-            self._ranks.append(process)
-            self._connections.append(mine)
-        self._collect("start", lambda data: data)
-
-    def _collect(self, what: str, read) -> list:
-        """Each rank's answer, in rank order, within the pool's time; a rank that says nothing in time or ends
-        stops the pool."""
-        answers, deadline = [], time.monotonic() + self.timeout_s
-        for rank, (process, connection) in enumerate(zip(self._ranks, self._connections)):
-            failure = None
-            while failure is None and not connection.poll(0.05):
-                if not process.is_alive():
-                    failure = "ended"
-                elif time.monotonic() > deadline:
-                    failure = f"gave no answer within {self.timeout_s:g} s"
-            if failure is None:
-                try:
-                    answers.append(read(connection.recv_bytes()))
-                    continue
-                except (EOFError, OSError):  # it ended while answering, or before
-                    process.join(5)
-                    failure = "ended"
-            if failure == "ended":
-                failure = f"ended (exit code {process.exitcode})"
-            self.close(wait=False)
-            raise RankFailed(f"{what}: rank {rank} {failure}")
-        return answers
-
-    def run(self, fn, *args) -> list:
-        """``fn(runtime, *args)`` on every rank (``fn`` importable, as for :func:`run_ranks`); each rank's value."""
-        if not self._ranks:
-            self._start()
-        message = _packed((fn, args))
-        for connection in self._connections:
-            connection.send_bytes(message)
-        answers = self._collect(fn.__name__, _unpacked)
-        raised = [words for kind, words in answers if kind == "raised"]
-        if raised:
-            self.close(wait=False)
-            raise RankFailed(f"{fn.__name__} raised on {len(raised)} of {self.world_size} ranks:\n" + "\n".join(raised))
-        return [value for _, value in answers]
-
-    def close(self, wait: bool = True) -> None:
-        """Stop every rank and the store: each leaves its group when asked, and one that does not within 10 s is
-        killed. After a failed call (``wait=False``) the group may be mid-collective: every rank is killed at once."""
-        for connection in self._connections:
-            try:
-                connection.send_bytes(b"stop")
-            except OSError:
-                pass
-        for process in self._ranks:
-            process.join(10 if wait else 0)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for connection in self._connections:
-            connection.close()
-        self._store.close()
-        self._ranks, self._connections = [], []
-
-    def __enter__(self) -> RankPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

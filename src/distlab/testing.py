@@ -1,6 +1,7 @@
 """Helpers for tests and lab exercises: the tolerances the equivalence checks use, real gloo ranks on the CPU
-(started by :mod:`distlab.jobs`, the process runner), torchrun as a subprocess, toy models every wrapper must
-train alike, and a tiny MNIST written to disk in the format torchvision reads.
+(started by :mod:`distlab.jobs`, the process runner: fresh ones for one call, or a :class:`RankPool` of them for
+many), torchrun as a subprocess, toy models every wrapper must train alike, and a tiny MNIST written to disk in the
+format torchvision reads.
 
 Functions run on ranks must be importable (module-level), because they are pickled to the ranks.
 """
@@ -8,19 +9,30 @@ Functions run on ranks must be importable (module-level), because they are pickl
 from __future__ import annotations
 
 import importlib
+import io
 import json
+import os
+import random
 import struct
 import subprocess
+import sys
+import time
+import traceback
+from contextlib import ExitStack
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .jobs import (
-    RankPool,
+    become_rank,
+    hosted_rendezvous,
     launcher_environment,
+    rank_context,
     run_job,
-    run_ranks,  # noqa: F401 - the tests reach fresh ranks here, beside the pool's run_entry
+    run_ranks,  # noqa: F401 - the tests reach fresh ranks here, beside the pool
     torchrun_command,
 )
 from .models import MnistCNN, reset_module
@@ -35,6 +47,210 @@ CNN_PARAMETERS = 405_898
 def run_torchrun(nproc: int, target: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a torchrun job to completion, one thread per rank, capturing its output."""
     return run_job(torchrun_command(nproc, target, *args), timeout=timeout, env=launcher_environment(1))
+
+
+GROUP_GRACE_S = 60.0
+"""How much longer than a :class:`RankPool` call's bound its ranks' collectives wait: the pool stops a call that
+hangs, and a rank whose caller is gone still ends."""
+PEERS_GRACE_S = 2.0
+"""How long a :class:`RankPool` call waits for the other ranks once one has raised or ended: a peer that waits for
+it in a collective never answers, and the call fails now, not at its timeout."""
+
+
+class RankFailed(RuntimeError):
+    """A call on a :class:`RankPool` that raised on a rank, timed out, lost a rank or left behind what cannot be
+    undone; the pool is gone."""
+
+
+def call_seed(call: int, rank: int) -> int:
+    """The seed of torch's and Python's generators on ``rank`` for a pool's ``call``-th call (from 1): the same
+    in every run of the same calls, so that a failure that depends on a draw happens again."""
+    return 1000 * call + rank
+
+
+def _packed(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _process_state() -> tuple:
+    """What a call may change in its rank's process that the pool puts back after it: cheap and safe to restore."""
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    threads = torch.get_num_threads()
+    return dict(os.environ), os.getcwd(), torch.is_grad_enabled(), threads, deterministic, random.getstate()
+
+
+def _restore(state: tuple) -> None:
+    environment, cwd, grad_enabled, threads, (deterministic, warn_only), random_state = state
+    if dict(os.environ) != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+    os.chdir(cwd)
+    torch.set_grad_enabled(grad_enabled)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    random.setstate(random_state)
+    torch.set_default_dtype(torch.float32)
+
+
+def _lasting_state() -> tuple[set[int], dict[str, dict[str, int]]]:
+    """What the pool cannot put back after a call: its process groups, and each attribute of distlab's loaded
+    modules (by id: a monkeypatch rebinds one)."""
+    modules = {n: m for n, m in list(sys.modules.items()) if n.split(".")[0] == "distlab" and m is not None}
+    groups = dist.distributed_c10d._world.pg_map  # every group this process is in (torch has no public list)
+    return set(map(id, groups)), {
+        name: {key: id(value) for key, value in vars(module).items()} for name, module in modules.items()
+    }
+
+
+def _left_behind(before: tuple, after: tuple) -> list[str]:
+    (groups, modules), (groups_now, modules_now) = before, after
+    left = [f"{len(groups_now - groups)} new process group(s)"] if groups_now - groups else []
+    left += ["ended the pool's process group"] if groups - groups_now else []
+    for name, attributes in modules.items():
+        now = modules_now.get(name, {})
+        left += [f"{name}.{key} rebound" for key, value in attributes.items() if now.get(key) != value]
+    return left
+
+
+def _call_afresh(rank: int, runtime, fn, args, seed: int) -> tuple[str, object]:
+    """``fn(runtime, *args)`` as on a fresh rank: its seed, float32 by default, the state :func:`_process_state`
+    names put back after it, and a call that leaves behind what cannot be put back refused in words."""
+    state, lasting = _process_state(), _lasting_state()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        answer = ("value", fn(runtime, *args))
+    except BaseException as err:  # noqa: BLE001 - sent to the caller, which raises it there
+        return "raised", f"rank {rank}: {''.join(traceback.format_exception(err)).rstrip()}"
+    finally:
+        _restore(state)
+    left = _left_behind(lasting, _lasting_state())
+    if left:
+        return "raised", (
+            f"rank {rank}: {fn.__name__} left behind what the pool cannot undo ({'; '.join(left)}): undo it before "
+            "the call returns, or use run_ranks (fresh ranks) for a test that changes process-wide state"
+        )
+    return answer
+
+
+def _pool_rank(rank: int, world_size: int, rendezvous: dict[str, str], connection, timeout_s: float) -> None:
+    """One rank of a :class:`RankPool`: join the group once, then run each call sent (:func:`_call_afresh`) until
+    told to stop. The library's ``distributed()`` finds the group and leaves it alone."""
+    become_rank(rank, world_size, rendezvous)
+    from .runtime import distributed
+
+    # the caller bounds each call (timeout_s); a collective waits longer, so a call that hangs is named as one
+    with distributed("cpu", timeout_s=timeout_s + GROUP_GRACE_S) as runtime:
+        connection.send_bytes(b"ready")
+        while (message := connection.recv_bytes()) != b"stop":
+            fn, args, call = _unpacked(message)
+            connection.send_bytes(_packed(_call_afresh(rank, runtime, fn, args, call_seed(call, rank))))
+
+
+class RankPool:
+    """``world_size`` gloo ranks started once and joined in one group, on which many calls run:
+    ``pool.run(fn, *args)`` runs ``fn(runtime, *args)`` on every rank and returns each rank's value, as
+    :func:`run_ranks` does, without starting processes and a group for each call (PyTorch's own
+    ``MultiProcContinuousTest`` keeps its processes the same way).
+
+    Each call starts alike (:func:`_call_afresh`; its seeds :func:`call_seed`). A call that raises on any rank,
+    does not end within ``timeout_s``, loses a rank or leaves behind what cannot be undone stops every rank and
+    raises :class:`RankFailed` with each rank's own words: the group may be mid-collective, so the next call
+    starts a fresh pool. Tests that are about a group's lifetime, failures or timeouts use :func:`run_ranks`."""
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.calls = 0  # every call so far, across restarts: it numbers the seeds
+        self._ranks: list = []
+        self._connections: list = []
+        self._store = ExitStack()  # the rendezvous store, held while the ranks live
+
+    def _start(self) -> None:
+        context = rank_context()
+        rendezvous = self._store.enter_context(hosted_rendezvous())
+        for rank in range(self.world_size):
+            mine, theirs = context.Pipe()
+            process = context.Process(
+                target=_pool_rank, args=(rank, self.world_size, rendezvous, theirs, self.timeout_s), daemon=True
+            )
+            process.start()
+            theirs.close()
+            self._ranks.append(process)
+            self._connections.append(mine)
+        self._collect("start", lambda data: ("value", data))
+
+    def _answer(self, rank: int, read) -> tuple[str, object]:
+        """What ``rank``, found ready, said: its answer, or that it ended."""
+        if self._connections[rank].poll():
+            try:
+                return read(self._connections[rank].recv_bytes())
+            except (EOFError, OSError):  # it ended while answering, or before
+                pass
+        self._ranks[rank].join(5)
+        return "ended", f"rank {rank}: ended (exit code {self._ranks[rank].exitcode})"
+
+    def _collect(self, what: str, read) -> list:
+        """Each rank's value, in rank order. Every rank is waited on at once: once one raises or ends, the others
+        get :data:`PEERS_GRACE_S` more, then the pool stops and :class:`RankFailed` says what each rank did."""
+        answers: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(answers) < self.world_size and (left := deadline - time.monotonic()) > 0:
+            waiting = [rank for rank in range(self.world_size) if rank not in answers]
+            ready = set(wait([x for r in waiting for x in (self._connections[r], self._ranks[r].sentinel)], left))
+            for rank in waiting:
+                if {self._connections[rank], self._ranks[rank].sentinel} & ready:
+                    answers[rank] = self._answer(rank, read)
+                    if answers[rank][0] != "value":
+                        deadline = min(deadline, time.monotonic() + PEERS_GRACE_S)
+        unanswered = [rank for rank in range(self.world_size) if answers.get(rank, ("",))[0] != "value"]
+        if not unanswered:
+            return [answers[rank][1] for rank in range(self.world_size)]
+        self.close(wait=False)
+        failed = any(kind != "value" for kind, _ in answers.values())
+        silent = "still in the call (waiting for a peer?)" if failed else f"gave no answer within {self.timeout_s:g} s"
+        words = [answers[rank][1] if rank in answers else f"rank {rank}: {silent}" for rank in unanswered]
+        seeds = f" (call {self.calls}: seed {call_seed(self.calls, 0)} + rank)" if what != "start" else ""
+        raise RankFailed(f"{what} failed{seeds}:\n" + "\n".join(words))
+
+    def run(self, fn, *args) -> list:
+        """``fn(runtime, *args)`` on every rank (``fn`` importable, as for :func:`run_ranks`); each rank's value."""
+        if not self._ranks:
+            self._start()
+        self.calls += 1
+        message = _packed((fn, args, self.calls))
+        for connection in self._connections:
+            connection.send_bytes(message)
+        return self._collect(fn.__name__, _unpacked)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop every rank and the store: each leaves its group when asked, and one that does not within 10 s is
+        killed. After a failed call (``wait=False``) the group may be mid-collective: every rank is killed at once."""
+        for connection in self._connections:
+            try:
+                connection.send_bytes(b"stop")
+            except OSError:
+                pass
+        for process in self._ranks:
+            process.join(10 if wait else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self._connections:
+            connection.close()
+        self._store.close()
+        self._ranks, self._connections = [], []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _entry_point(runtime, module: str, argv: list[str]) -> None:

@@ -222,6 +222,25 @@ def memory_free_on_every_rank(runtime: Runtime) -> tuple[int | None, int]:
     return (None if math.isinf(smallest) else int(smallest)), sharing
 
 
+def presets_that_fit(
+    cfg: SweepConfig, points: list[tuple[str, int, str]], free: int | None, sharing: int, world_size: int
+) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """The points whose resident memory, times the ranks that share it, fits in ``cfg.memory_fraction`` of
+    ``free`` (every point where free memory cannot be read), and the models left out: the guard against swapping."""
+    fits = [
+        (m, b, label) for m, b, label in points
+        if free is None or sharing * resident_at(cfg, m, label, world_size) <= cfg.memory_fraction * free
+    ]  # fmt: skip
+    return fits, list(dict.fromkeys(m for m, _, _ in points if m not in {f[0] for f in fits}))
+
+
+def planned_presets(cfg: SweepConfig, runtime: Runtime) -> tuple[list[tuple[str, int, str]], list[str], int | None]:
+    """What the sweep runs: :func:`presets_that_fit` the memory free on every rank, judged the same on every rank
+    (:func:`memory_free_on_every_rank`), with the models left out and that free memory."""
+    free, sharing = memory_free_on_every_rank(runtime)
+    return *presets_that_fit(cfg, cfg.points(), free, sharing, runtime.world_size), free
+
+
 CUDA_PEAKS = (
     "each variant alone: the timed variants and the calibration copy freed, each variant built in turn, one "
     "warm-up step, then torch.cuda.reset_peak_memory_stats and one step; resident_before is what was allocated "
@@ -363,14 +382,7 @@ def main(cfg: SweepConfig) -> None:
     with distributed(cfg.where.device, cfg.where.backend) as runtime:
         n = runtime.world_size
         cuda = runtime.device.type == "cuda"
-        # the guard against swapping: on a GPU its own free memory, each rank its own; on a CPU the host's, shared
-        free, sharing = memory_free_on_every_rank(runtime)
-        points = cfg.points()
-        fits = [
-            (m, b, label) for m, b, label in points
-            if free is None or sharing * resident_at(cfg, m, label, n) <= cfg.memory_fraction * free
-        ]  # fmt: skip
-        skipped = list(dict.fromkeys(m for m, _, _ in points if m not in {f[0] for f in fits}))
+        fits, skipped, free = planned_presets(cfg, runtime)
         shown = [f"{m} ({b}x{cfg.seq_len}" + (f", {label})" if label else ")") for m, b, label in fits]
         runtime.log(
             f"distlab.bench.sweep: {runtime.describe()}, {torch.get_num_threads()} thread(s) per rank, "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +21,10 @@ from ..cli import flag_names, parse, parse_or_refuse
 from ..config import TrainConfig
 from ..errors import DistlabError
 from ..jobs import (  # the process runner; the chapters and labs reach it here, beside torchrun
-    _failure_reason,
-    _torchrun_noise,
     failure_reason,
+    is_torchrun_noise,
     launcher_environment,
+    reason_from_lines,
     run_job,
     stop_job,
     torchrun_command,
@@ -98,6 +97,7 @@ def torchrun(
     timeout_s: float = 1800,
     threads_per_rank: int | None = None,
     launcher: tuple[str, ...] = (),
+    config=None,
 ) -> JobOutput:
     """``torchrun --standalone --nproc_per_node=N`` on a script path or ``-m module``.
 
@@ -107,7 +107,8 @@ def torchrun(
     ranks when ``args`` do not say (``--device``/``--backend``: the caller decided). An entry point that takes
     those flags is told the decision, so no rank decides again; N is the placement's ranks.
     ``threads_per_rank`` defaults to the cores divided among the ranks, so a
-    one-rank run and a four-rank run use the same machine.
+    one-rank run and a four-rank run use the same machine. ``config``: the configuration the caller already parsed
+    from ``args`` (as :func:`train` does), which is not parsed again.
     """
     args = tuple(str(a) for a in args)
     told = bool({"--device", "--backend"} & set(args))
@@ -117,42 +118,26 @@ def torchrun(
         nproc = placement.ranks
         if not told and takes_placement(entry_config(target)):
             args = (*args, *placement.args)
-    check_command_line(target, *args)  # a bad flag fails here, before any rank starts
+    if config is None:
+        check_command_line(target, *args)  # a bad flag fails here, before any rank starts
     threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     command = torchrun_command(nproc, target, *args, launcher=launcher)
     env = launcher_environment(threads_per_rank)
     if _runs_nccl(placement, args):  # GPUs without peer access (a T4 pair): NCCL must be told before it starts
         set_nccl_transport(survey(topology=False), environ=env)
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    # The output streams until the job ends; a job that hangs never closes it, so a watchdog stops it.
-    timed_out = threading.Event()
-    watchdog = threading.Timer(timeout_s, lambda: (timed_out.set(), stop_job(process)))
-    watchdog.start()
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if echo and not _torchrun_noise(line):
-                print(_without_folders(line), end="", flush=True)
-        process.wait()
-    except BaseException:  # Ctrl-C, or an interrupted kernel: the ranks must not run on without it
-        stop_job(process)
-        raise
-    finally:
-        watchdog.cancel()
-    if timed_out.is_set():
-        raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped")
-    output = "".join(lines)
-    if process.returncode != 0:
-        raise DistlabError(f"torchrun {target} failed with exit code {process.returncode}: {_failure_reason(lines)}")
-    return JobOutput(process.returncode, output)
+
+    def shown(line: str) -> None:
+        if echo and not is_torchrun_noise(line):
+            print(_without_folders(line), end="", flush=True)
+
+    try:  # streamed until the job ends; stopped whole, ranks included, past its time or on Ctrl-C
+        job = run_job(command, timeout_s, env, on_line=shown)
+    except subprocess.TimeoutExpired:
+        raise DistlabError(f"torchrun {target} ran past {timeout_s:.0f} s and was stopped") from None
+    if job.returncode != 0:
+        reason = reason_from_lines(job.stdout.splitlines(keepends=True))
+        raise DistlabError(f"torchrun {target} failed with exit code {job.returncode}: {reason}")
+    return JobOutput(job.returncode, job.stdout)
 
 
 def _runs_nccl(placement: Placement | None, args: tuple[str, ...]) -> bool:
@@ -181,7 +166,7 @@ def train(
 ) -> dict:
     """Run ``distlab.train`` under torchrun and return the result it wrote."""
     args = [str(a) for a in args]
-    # A bad flag fails here, before any rank starts.
+    # A bad flag fails here, before any rank starts; torchrun is given the parsed config and does not parse again.
     cfg = parse(TrainConfig, [*args, "--out", str(out)], "distlab.train")
     placement = place(nproc, cfg.parallel.device, cfg.parallel.backend)  # decided here; the ranks are told
     run_name = cfg.run_name(placement.ranks, placement.device)
@@ -196,5 +181,6 @@ def train(
         placement=placement,
         echo=echo,
         threads_per_rank=threads_per_rank,
+        config=cfg,
     )
     return read_result(Path(out) / f"{run_name}.json")

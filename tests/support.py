@@ -1,0 +1,64 @@
+"""What several test files set up alike, written once: the book's Sphinx extension loaded as a module, and a bare
+Jupyter kernel that runs a lab as Kaggle does (its own Python, which cannot import distlab until the lab installs
+the wheel). Tests import it as ``support`` (pytest puts this folder on the path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_INDEX = "http://127.0.0.1:9/simple"
+"""A package index nothing answers at: a lab that reached for an index instead of its wheel fails."""
+
+
+def site_extension():
+    """The book's extension (``book/_ext/distlab_site.py``), loaded from its file; skipped where Sphinx is absent."""
+    pytest.importorskip("sphinx", reason="the book's extensions need Sphinx, which the book's stack has")
+    spec = importlib.util.spec_from_file_location("distlab_site", ROOT / "book" / "_ext" / "distlab_site.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    return site
+
+
+def python_without_distlab(tmp_path: Path) -> Path:
+    """A Python whose kernel cannot import distlab but has everything else this one has (torch, ipykernel,
+    pip). A fresh venv, no pip of its own, reads a view of this environment's site-packages: a folder of
+    symlinks to every entry except distlab's (the editable install's .pth and finder, its dist-info). The view
+    goes on sys.path through a .pth line naming it, so .pth files inside it are never run, and pip, seeing no
+    distlab installed, installs into the venv's own site-packages. torch is shared, never reinstalled, and the
+    environment the tests run in is not touched."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([python, "-c", query], text=True).strip())
+    view = tmp_path / "site-view"
+    view.mkdir()
+    for source in {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}:
+        for entry in source.iterdir():
+            if not entry.name.startswith(("distlab", "__editable__")) and entry.suffix != ".pth":
+                if not (view / entry.name).exists():
+                    (view / entry.name).symlink_to(entry)
+    (site / "site-view.pth").write_text(f"{view}\n")
+    return python
+
+
+def bare_kaggle_kernel(tmp_path: Path, monkeypatch, python: Path, name: str, display_name: str) -> str:
+    """A Jupyter kernel ``name`` on ``python`` (:func:`python_without_distlab`), found through ``JUPYTER_PATH``, in an
+    environment like a fresh Kaggle session's: no package index (the wheel must do), and none of this machine's
+    distlab or NCCL settings. Returns the kernel's name, for ``nbclient.NotebookClient(kernel_name=...)``."""
+    kernels = tmp_path / "jupyter" / "kernels" / name
+    kernels.mkdir(parents=True)
+    spec = {"argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"], "language": "python"}
+    (kernels / "kernel.json").write_text(json.dumps({**spec, "display_name": display_name}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("PIP_INDEX_URL", NO_INDEX)
+    for variable in ("PYTHONPATH", "DISTLAB_SOURCE", "NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE"):
+        monkeypatch.delenv(variable, raising=False)
+    return name
