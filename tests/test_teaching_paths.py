@@ -61,3 +61,30 @@ def test_shard_grad_op_saves_a_third_in_one_dtype_and_a_quarter_under_the_course
     page = " ".join(_page("fsdp2_in_practice").split())
     assert "a third of FSDP's traffic" not in page
     assert "a third of FULL_SHARD's bytes in one dtype" in page and "a quarter with 16-bit gathers" in page
+
+
+def test_every_chapter_opens_its_objectives_and_heads_its_exercises_one_way():
+    """H19: one objectives box (a tip titled "You will be able to") and one exercise heading ("### Exercise N: ...")."""
+    for page in sorted((ROOT / "book").glob("*.md")):
+        text = page.read_text()
+        for box in re.finditer(r":::\{admonition\} You will be able to.*\n(.*)", text):
+            assert box.group(0).startswith(":::{admonition} You will be able to\n:class: tip"), page.name
+        numbered = re.findall(r"^### (?:Exercise )?\d+[.:] .*$", text, flags=re.M)
+        assert all(re.fullmatch(r"### Exercise \d+: .+", h) for h in numbered), (page.name, numbered)
+
+
+def test_the_pages_write_mebibytes_as_mib():
+    """H12: torch's bucket caps are MiB (its _MB_TO_BYTES is 1024 * 1024); "25 MB" survives only inside the names
+    the course's benchmark gives its variants (BucketedDDP 25 MB), which the DDP page explains."""
+    for page in sorted((ROOT / "book").glob("*.md")):
+        assert not re.findall(r"(?<!DDP )\b(?:1|5|25) MB\b", page.read_text()), page.name
+
+
+def test_pinned_memory_comes_after_the_ddp_ring_zero_fsdp2_choose_spine():
+    """H13: pinned memory, about feeding one rank, does not split DDP -> ring -> ZeRO -> FSDP2 -> DDP or FSDP."""
+    toc = (ROOT / "_toc.yml").read_text()
+    order = re.findall(r"- file: (\w+)\n", toc)
+    spine = ["ddp", "ring_allreduce", "fsdp_from_scratch", "fsdp2_in_practice", "ddp_vs_fsdp"]
+    at = [order.index(name) for name in spine]
+    assert at == sorted(at) and at == list(range(at[0], at[0] + len(spine))), order
+    assert order.index("pinned_memory") > at[-1], order

@@ -45,7 +45,7 @@
   };
   const DEFAULT_PRECISION = "torch";
   const OPTIMIZERS = ["adam", "adamw", "sgd"];
-  // distlab.predict.calculator.ZERO_BUCKET_VALUES: ZeRO-2's one bucket of whole gradients (5 MB of fp32 values).
+  // distlab.predict.calculator.ZERO_BUCKET_VALUES: ZeRO-2's one bucket of whole gradients (5 MiB of fp32 values).
   const ZERO_BUCKET_VALUES = Math.floor((5 * 2 ** 20) / 4);
   // Row label -> ZeRO stage of distlab.predict.memory.STAGE, torch DDP's second copy of the gradients,
   // and whether FSDP keeps every unit gathered.

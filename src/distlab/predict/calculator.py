@@ -147,7 +147,7 @@ ROW_FIELDS = (
 DEFAULT_SHARD_UNITS = 32
 """gpt-6.7b's (and a 7B Llama's) 32 transformer blocks."""
 ZERO_BUCKET_VALUES = 5 * 2**20 // 4
-"""The course's ZeRO-2 reduces one 5 MB bucket of fp32-sized gradient values at a time
+"""The course's ZeRO-2 reduces one 5 MiB bucket of fp32-sized gradient values at a time
 (:data:`distlab.parallel.zero.ZERO_BUCKET_CAP_MB`): that bucket, whole, is what it holds beyond its slice."""
 ACTIVATIONS_SOURCE = (
     "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models' (2022), "
