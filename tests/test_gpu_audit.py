@@ -356,3 +356,87 @@ def test_p16_fsdp2_on_gloo_ranks_sharing_a_gpu_meshes_the_default_group_itself(m
     assert seen == [(dist.group.WORLD, "cuda")]
     script = (ROOT / "scripts" / "fsdp_train.py").read_text()
     assert 'DeviceMesh.from_group(dist.group.WORLD, "cuda")' in script
+
+
+NCCL_TRANSPORT = ("NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE")
+
+
+def simulate_two_gpus(monkeypatch, peer_access: bool) -> None:
+    """Two GPUs as ``torch.cuda`` and the survey see them (``peer_access``: a H100 pair; without: a T4 pair)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=15 << 30))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer_access)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
+
+
+def environment_at_group_creation(monkeypatch, device: str, backend: str) -> dict[str, str]:
+    """``runtime.distributed(device, backend)`` run up to ``init_process_group`` (which needs the GPUs): the NCCL
+    variables of this rank's own environment at that moment."""
+    import os
+
+    import torch.distributed as dist
+
+    from distlab import runtime
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in NCCL_TRANSPORT})
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(*args, **kwargs):
+        seen.update({name: os.environ[name] for name in NCCL_TRANSPORT if name in os.environ})
+        seen["backend"] = kwargs["backend"]
+        raise Stop
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(Stop), runtime.distributed(device, backend):
+        pass
+    return seen
+
+
+def test_t2_every_nccl_rank_sets_nccls_transport_before_its_group_on_gpus_without_peer_access(monkeypatch):
+    """T2 (gpu-audit-2): NCCL's transport for GPUs without peer access (P8) was set by the labs, the report and
+    ``labs.launch``, not by ``distlab.testing.run_torchrun`` or the grader's forked ranks: on a T4 pair NCCL 2.27
+    would run with cuMem host buffers on (CUDA error 217). ``runtime.distributed``, where every NCCL rank of the
+    course starts, now sets it in the rank's own environment before the group is made (run here on two simulated
+    T4s up to ``init_process_group``); a gloo rank, and a rank on GPUs with peer access, get nothing. GPU twin:
+    every NCCL test of ``tests/test_gpu.py`` on a T4 pair."""
+    simulate_two_gpus(monkeypatch, peer_access=False)
+    seen = environment_at_group_creation(monkeypatch, "cuda", "nccl")
+    assert seen == {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_HOST_ENABLE": "0", "backend": "cpu:gloo,cuda:nccl"}
+    assert environment_at_group_creation(monkeypatch, "cuda", "gloo") == {"backend": "gloo"}
+
+
+def test_t2_nothing_is_set_for_nccl_ranks_on_gpus_with_peer_access(monkeypatch):
+    simulate_two_gpus(monkeypatch, peer_access=True)
+    assert environment_at_group_creation(monkeypatch, "cuda", "nccl") == {"backend": "cpu:gloo,cuda:nccl"}
+
+
+def test_t2_a_value_the_launcher_chose_is_kept(monkeypatch):
+    """A launcher (or a learner) that set one of the variables keeps it: the rank only fills in what is missing."""
+    import os
+
+    simulate_two_gpus(monkeypatch, peer_access=False)
+    monkeypatch.setenv("NCCL_CUMEM_HOST_ENABLE", "1")
+    kept = dict(os.environ)
+    monkeypatch.setattr(os, "environ", kept)
+    from distlab import runtime
+
+    runtime.set_nccl_transport_here()
+    assert kept["NCCL_CUMEM_HOST_ENABLE"] == "1" and kept["NCCL_P2P_DISABLE"] == "1"
+
+
+def test_t7_the_images_nccl_version_is_not_an_nccl_setting():
+    """T7 (gpu-audit-2): the H200 report's ``nccl_settings`` held ``NCCL_VERSION`` (2.28.3-1), the CUDA image's
+    variable: not a setting, and not the NCCL that ran (2.28.9). Settings are what NCCL reads."""
+    from distlab.measure.hardware import nccl_settings
+
+    environ = {"NCCL_VERSION": "2.28.3-1", "NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "WARN", "PATH": "/usr/bin"}
+    assert nccl_settings(environ) == {"NCCL_DEBUG": "WARN", "NCCL_P2P_DISABLE": "1"}
