@@ -440,3 +440,16 @@ def test_t7_the_images_nccl_version_is_not_an_nccl_setting():
 
     environ = {"NCCL_VERSION": "2.28.3-1", "NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "WARN", "PATH": "/usr/bin"}
     assert nccl_settings(environ) == {"NCCL_DEBUG": "WARN", "NCCL_P2P_DISABLE": "1"}
+
+
+def test_t8_a_one_rank_gpu_run_is_not_labelled_with_a_backend_it_does_not_use():
+    """T8 (gpu-audit-2): the pinned page printed "Measured on 1 x NVIDIA H200 (nccl)" for copies that send nothing
+    between ranks. The backend is named where there are ranks to connect."""
+    from distlab.results import hardware_label
+
+    one = {"device": "cuda:0", "gpus": ["NVIDIA H200"], "device_name": "NVIDIA H200", "backend": "nccl",
+           "world_size": 1}  # fmt: skip
+    assert hardware_label(one) == "1 x NVIDIA H200"
+    two = one | {"gpus": ["Tesla T4"] * 2, "device_name": "Tesla T4", "world_size": 2}
+    assert hardware_label(two) == "2 x Tesla T4 (nccl)"
+    assert hardware_label(two | {"backend": "gloo"}) == "2 x Tesla T4 (gloo)"
