@@ -18,7 +18,7 @@ its durations, and keeps the quick GPU report that selection runs. The folder ho
     report/           the quick GPU report (python -m distlab.gpu_report --quick), as the book reads one
     summary.txt       one line a step: what ran, how long, passed or failed
 
-Without a GPU it says so in one line and exits 2: the GPU tier would only skip.
+Without a GPU, or without torch, it says so in one line and exits 2: the GPU tier would only skip.
 """
 
 from __future__ import annotations
@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="the packages are there already")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop the tier after this (quick: 600 s)")
     args = parser.parse_args(argv)
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # a virtualenv without torch: say so, not a traceback
+        print("gpu_check: torch is not installed in this Python: run it with the Python that has the GPU's torch",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): the GPU tier would only skip; "
               "run it on a machine with one", file=sys.stderr)  # fmt: skip

@@ -453,3 +453,17 @@ def test_t8_a_one_rank_gpu_run_is_not_labelled_with_a_backend_it_does_not_use():
     two = one | {"gpus": ["Tesla T4"] * 2, "device_name": "Tesla T4", "world_size": 2}
     assert hardware_label(two) == "2 x Tesla T4 (nccl)"
     assert hardware_label(two | {"backend": "gloo"}) == "2 x Tesla T4 (gloo)"
+
+
+def test_t10_gpu_check_without_torch_says_so_in_one_line_and_exits_2(tmp_path):
+    """T10 (gpu-audit-2): in a Python without torch, ``gpu_check.py`` ended in a ``ModuleNotFoundError`` traceback.
+    Here torch is made unimportable (``sys.modules["torch"] = None``) before the script runs."""
+    import subprocess
+    import sys
+
+    script = ROOT / "scripts" / "gpu_check.py"
+    run = (f"import runpy, sys; sys.modules['torch'] = None; sys.argv = [{str(script)!r}, {str(tmp_path / 'o')!r}]; "
+           f"runpy.run_path({str(script)!r}, run_name='__main__')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "torch is not installed" in done.stderr, done.stderr
