@@ -7,8 +7,8 @@
 From a checkout, on a machine with a CUDA GPU and torch. It installs what the GPU tier needs beyond torch, pytest
 and matplotlib (``tests/gpu-requirements.txt``, every package pinned; never torch: the torchvision it needs is the
 release built for the torch already there, installed without its dependencies where it is missing), runs the GPU
-tier's quick selection (``pytest -m "gpu and quick"``: every GPU code path once, about 6 minutes on one GPU) with
-its durations, and keeps the quick GPU report that selection runs. The folder holds:
+tier's quick selection (``pytest -m "gpu and quick"``: every GPU code path once, about 6 minutes on one GPU, 7.5
+on two) with its durations, and keeps the quick GPU report that selection runs. The folder holds:
 
     environment.txt   the GPUs (nvidia-smi), Python, torch, CUDA, NCCL, the commit
     install.log       what pip did
@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "tests" / "gpu-requirements.txt"
 SELECTIONS = {"quick": "gpu and quick", "full": "gpu"}
+STOP_S = {"quick": 600, "full": 3600}
+"""When the tier is stopped. The quick selection's time on one GPU and on two is estimated test by test by
+``tests/test_gpu.py::quick_estimate_s``, and ``tests/test_gpu_audit.py`` holds both under 80 % of this stop."""
 
 
 def torchvision_for(torch_version: str) -> str:
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         selection = "full" if args.full else "quick"
         began = time.perf_counter()
         print(f"gpu_check: the GPU tier's {selection} selection, output in {out / 'tier.log'} ...", flush=True)
-        code, said = run_tier(out, selection, args.timeout_s or (3600 if args.full else 600))
+        code, said = run_tier(out, selection, args.timeout_s or STOP_S[selection])
         step("tier", said, began, code == 0)
         failed |= code != 0
         if not (out / "report" / "report.json").is_file() and not any((out / "report").glob("*/report.json")):

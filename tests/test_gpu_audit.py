@@ -125,15 +125,15 @@ def test_p2_the_quick_gpu_selection_runs_every_gpu_path_once():
     strategy at least once, the fp16 paths, the report, the FSDP2 point, every lab's first GPU launch, the grader on
     CUDA ranks, and the training loop's no-wait check."""
     import test_gpu
-
-    quick = {(case_id, where) for case_id, where, marks in test_gpu.train_params() if "quick" in marks}
-    strategies = {test_gpu.CASES[case_id].strategy for case_id, _ in quick}
     from distlab.parallel import STRATEGIES
 
-    covered = strategies | set(test_gpu.REPORT_SWEEP_STRATEGIES) | set(test_gpu.LAB_QUICK_STRATEGIES)
-    assert covered >= set(STRATEGIES), covered
-    assert any(where == "two gloo ranks share one GPU" for _, where in quick)
-    assert sum(test_gpu.QUICK_ESTIMATE_S.values()) <= 6 * 60  # seconds, each input measured on one H200
+    for gpus in (1, 2):
+        quick = {(case_id, where) for case_id, where, marks in test_gpu.train_params(gpus) if "quick" in marks}
+        strategies = {test_gpu.CASES[case_id].strategy for case_id, _ in quick}
+        covered = strategies | set(test_gpu.REPORT_SWEEP_STRATEGIES) | set(test_gpu.LAB_QUICK_STRATEGIES)
+        assert covered >= set(STRATEGIES), (gpus, covered)
+        assert any(where == "two gloo ranks share one GPU" for _, where in quick)
+    assert sum(test_gpu.quick_estimate_s(1).values()) <= 6 * 60  # seconds, each input measured on one H200
     assert {lab.stem for lab in test_gpu.LABS} == set(test_gpu.LAB_QUICK_STOP)
 
 
@@ -467,3 +467,86 @@ def test_t10_gpu_check_without_torch_says_so_in_one_line_and_exits_2(tmp_path):
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and "torch is not installed" in done.stderr, done.stderr
+
+
+QUICK_LIMIT_S = 480
+"""The most the quick selection may be estimated to take on one GPU or on two: 80 % of ``gpu_check.py``'s stop,
+room for a slower host (every test starts torchrun and imports torch) and for the estimates' own error."""
+
+
+def quick_marked(function) -> bool:
+    """Whether a test of the GPU tier is in the quick selection: marked itself, or one of its parameters is."""
+    marks = getattr(function, "pytestmark", [])
+    if any(mark.name == "quick" for mark in marks):
+        return True
+    params = [value for mark in marks if mark.name == "parametrize" for value in mark.args[1]]
+    return any(mark.name == "quick" for value in params for mark in getattr(value, "marks", ()))
+
+
+def test_t3_the_quick_selection_is_estimated_test_by_test_on_one_gpu_and_on_two_inside_its_stop():
+    """T3 (gpu-audit-2): the quick selection was timed for one GPU only (5.9 minutes), and two GPUs were said to add
+    ~70 s; they add the report's two NCCL parts, NCCL jobs in four labs and on the grader: ~9 minutes against a 600 s
+    stop. ``test_gpu.quick_estimate_s`` now gives each quick test's time on one GPU and on two, from the H200 run's
+    durations and named estimates; on two GPUs the selection leaves what two ranks already run, and both totals fit
+    well inside the stop, the report inside its own budget. Every quick test of the tier is counted."""
+    import test_gpu
+
+    gpu_check = load_script("gpu_check")
+    assert QUICK_LIMIT_S <= 0.8 * gpu_check.STOP_S["quick"]
+    quick = {name for name, function in vars(test_gpu).items() if name.startswith("test_") and quick_marked(function)}
+    for gpus in (1, 2):
+        estimate = test_gpu.quick_estimate_s(gpus)
+        assert sum(estimate.values()) <= QUICK_LIMIT_S, (gpus, round(sum(estimate.values())), estimate)
+        assert {name.split("[")[0] for name in estimate if name.startswith("test_")} == quick, gpus
+        report = estimate["test_the_gpu_report_runs_every_part_that_should_and_says_so"]
+        assert report < test_gpu.REPORT_BUDGET_S
+    assert sum(test_gpu.quick_estimate_s(2).values()) > sum(test_gpu.quick_estimate_s(1).values())
+
+
+def test_t9_the_no_wait_check_runs_whole_steps_of_the_library_run():
+    """T9 (gpu-audit-2): the no-wait GPU test checked ``MetricSums.add`` only. It now runs whole steps of
+    ``distlab.train``'s own run (its DataLoader, forward, backward, Adam, the metric sums) under CUDA's sync debug
+    mode. Here the same code on one CPU rank, up to that mode, which needs CUDA: a warm-up step and three more."""
+    import test_gpu
+
+    assert test_gpu.steps_of_a_run("cpu", "gloo", steps=3) == 4 * 32
+
+
+def fsdp2_fused_adam_and_scaler_steps(runtime, steps: int) -> tuple[float, int, bool]:
+    """The FSDP lab script's model (``fsdp_train.build``: FSDP2 on gpt-tiny) stepped as its ``train`` steps it on a
+    T4, ``Adam(fused=True)`` and an enabled GradScaler, on this CPU rank: the scale after ``steps`` steps, how many
+    steps the scaler skipped, and whether every shard moved. fp32 compute: a CPU has no fp16 autocast worth the
+    name, and the fused kernel here is the CPU's."""
+    script = load_script("fsdp_train")
+    args = script.parse_args(["--model", "gpt-tiny", "--samples", "64", "--batch-size", "4", "--num-workers", "0"])
+    model, _ = script.build(args, torch.device("cpu"), torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    before = [p.to_local().detach().clone() for p in model.parameters()]
+    tokens, targets = script.synthetic(args, 4 * steps, 0).tensors
+    skipped = 0
+    for index in range(steps):
+        x, y = tokens[4 * index : 4 * index + 4], targets[4 * index : 4 * index + 4]
+        losses, _ = script.loss_and_correct(model(x), y)
+        scaler.scale(losses.mean()).backward()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < scale
+        optimizer.zero_grad(set_to_none=True)
+    moved = all(not torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before) if b.numel())
+    return scaler.get_scale(), skipped, moved
+
+
+def test_t4_fsdp2_steps_with_fused_adam_and_an_enabled_gradscaler_on_gloo_ranks(tmp_path):
+    """T4 (gpu-audit-2): FSDP2 + ``Adam(fused=True)`` + an enabled GradScaler, the FSDP lab's GPT step on a T4, had
+    never run. Here the lab script's own model and the same optimizer and scaler step on two gloo ranks of the CPU:
+    the fused kernel takes the DTensor shards beside the scaler's plain ``grad_scale``/``found_inf``, every rank
+    agrees on the scale, and the shards move. What only CUDA has (fp16 autocast, the CUDA fused kernel, NCCL):
+    ``tests/test_gpu.py::test_fsdp2_with_fused_adam_and_an_fp16_gradscaler_trains_on_the_gpu``."""
+    from distlab.testing import run_ranks
+
+    ranks = run_ranks(fsdp2_fused_adam_and_scaler_steps, 2, tmp_path, 3)
+    assert ranks[0] == ranks[1], ranks  # one scale, the same skipped steps: found_inf was reduced over the ranks
+    scale, skipped, moved = ranks[0]
+    assert scale == 65536.0 * 2.0**-skipped and skipped < 3 and moved, ranks
