@@ -419,11 +419,16 @@ def test_fsdp2_with_fused_adam_and_an_fp16_gradscaler_trains_on_the_gpu(where, t
 @needs_gpu
 @pytest.mark.parametrize("flags", [("--fsdp-replicate", "2"), ("--fsdp-reshard-to", "2")], ids=["hsdp", "reshard-to"])
 def test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks(flags, tmp_path):
-    """P13: HSDP (``--fsdp-replicate``) and resharding to pairs (``--fsdp-reshard-to``) build a 2-D mesh, whose
-    groups DeviceMesh splits from the rank's default group, bound to its GPU and carrying both NCCL and gloo: the
-    path whose mixed-backend handling torch changed across 2.9-2.14 (pytorch/pytorch#159200, #162424). Never run:
-    it needs four GPUs, and no CPU run can reach it (a group is bound to a device only on a GPU). Until this test
-    has passed on a GPU the course does not claim either on GPUs."""
+    """P13, T5: HSDP (``--fsdp-replicate``) and resharding to pairs (``--fsdp-reshard-to``) on a 2-D mesh of NCCL
+    ranks. HSDP's mesh is made by distlab from ``dist.new_group`` groups on ``cpu:gloo,cuda:nccl`` (NCCL's
+    communicator split by NCCL from the default group's, a new gloo leg) and ``DeviceMesh.from_group``, never
+    ``split_group`` (``parallel.fsdp2.hsdp_mesh``; CPU twin: ``tests/test_gpu_audit.py::test_p13_...``, and the
+    same code whole on four gloo ranks in ``tests/test_equivalence.py``). ``--fsdp-reshard-to``'s mesh FSDP2 makes
+    itself (``DeviceMesh(device_type, mesh.view(-1, g))``), and on a default group bound to a GPU DeviceMesh makes
+    its groups with ``split_group`` of the gloo+NCCL parent (torch 2.14 and 2.10), the path whose mixed-backend
+    handling torch changed across 2.9-2.14 (pytorch/pytorch#159200, #162424): distlab cannot hand it groups, and
+    no CPU run reaches it (a group is bound to a device only on a GPU). Never run: it needs four GPUs. Until this
+    test has passed on a GPU the course does not claim either on GPUs."""
     from distlab.labs.launch import train
 
     if GPUS < 4:

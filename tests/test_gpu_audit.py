@@ -550,3 +550,36 @@ def test_t4_fsdp2_steps_with_fused_adam_and_an_enabled_gradscaler_on_gloo_ranks(
     assert ranks[0] == ranks[1], ranks  # one scale, the same skipped steps: found_inf was reduced over the ranks
     scale, skipped, moved = ranks[0]
     assert scale == 65536.0 * 2.0**-skipped and skipped < 3 and moved, ranks
+
+
+def test_p13_hsdps_mesh_on_nccl_ranks_is_made_from_new_groups_with_a_gloo_leg_not_split_group(monkeypatch):
+    """P13, T5 (gpu-audit-2): HSDP's 2-D mesh came from ``init_device_mesh``, which on a default group bound to a GPU
+    makes its groups with ``split_group`` of the gloo+NCCL parent, the path torch changed across releases. It is now
+    made from ``dist.new_group`` groups on ``cpu:gloo,cuda:nccl`` (NCCL split by NCCL itself, gloo anew) and
+    ``DeviceMesh.from_group``. Here rank 1 of four simulated NCCL ranks, up to the groups (which need GPUs): every
+    rank makes every column's then every row's group, in one order, and keeps its own; ``split_group`` and
+    ``init_device_mesh`` are never called. The same code runs whole on four gloo ranks:
+    ``tests/test_equivalence.py::test_hsdp_on_a_2x2_mesh_trains_like_ddp``. ``reshard_to``'s mesh FSDP2 builds
+    itself; the GPU tier's 4-GPU test says so."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from distlab.parallel.fsdp2 import FSDP2
+    from distlab.runtime import Runtime
+
+    made, meshes = [], []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("split_group or init_device_mesh: the path P13 leaves")
+
+    monkeypatch.setattr(dist, "split_group", refuse)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", refuse)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend: made.append((ranks, backend)) or f"group{ranks}")
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda groups, device_type, mesh, mesh_dim_names:
+                        meshes.append((groups, device_type, mesh.tolist(), mesh_dim_names)) or "mesh"))  # fmt: skip
+    rank_1_of_4 = Runtime(1, 1, 4, torch.device("cuda", 1), "nccl")
+    assert FSDP2(replicate=2).device_mesh(rank_1_of_4) == "mesh"
+    both = "cpu:gloo,cuda:nccl"
+    assert made == [([0, 2], both), ([1, 3], both), ([0, 1], both), ([2, 3], both)]
+    assert meshes == [(["group[1, 3]", "group[0, 1]"], "cuda", [[0, 1], [2, 3]], ("replicate", "shard"))]
