@@ -294,7 +294,9 @@ def sweep_parameters(model: str) -> int:
 def test_p8_an_nccl_job_on_gpus_without_peer_access_is_launched_with_nccls_transport_set(monkeypatch):
     """P8: the GPU report, ``labs.launch`` and the tier never set ``NCCL_P2P_DISABLE``/``NCCL_CUMEM_HOST_ENABLE``
     on GPUs without peer access (a T4 pair), where NCCL's cuMem host buffers fail with CUDA error 217. Every NCCL
-    job ``labs.launch.torchrun`` starts on such a machine now gets both (a gloo job, which has no NCCL, does not)."""
+    job ``labs.launch.torchrun`` starts on such a machine now gets both (a gloo job, which has no NCCL, does not).
+    Every other launcher (``run_torchrun``, the grader's forked ranks, a learner's ``check(..., device="cuda")``) is
+    covered where its NCCL ranks start, in ``runtime.distributed``: the ``test_t2_*`` tests below."""
     from distlab.labs import launch
     from distlab.runtime import Placement
 
