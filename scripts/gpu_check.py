@@ -7,8 +7,8 @@
 From a checkout, on a machine with a CUDA GPU and torch. It installs what the GPU tier needs beyond torch, pytest
 and matplotlib (``tests/gpu-requirements.txt``, every package pinned; never torch: the torchvision it needs is the
 release built for the torch already there, installed without its dependencies where it is missing), runs the GPU
-tier's quick selection (``pytest -m "gpu and quick"``: every GPU code path once, about 6 minutes on one GPU) with
-its durations, and keeps the quick GPU report that selection runs. The folder holds:
+tier's quick selection (``pytest -m "gpu and quick"``: every GPU code path once, about 6 minutes on one GPU, 7.5
+on two) with its durations, and keeps the quick GPU report that selection runs. The folder holds:
 
     environment.txt   the GPUs (nvidia-smi), Python, torch, CUDA, NCCL, the commit
     install.log       what pip did
@@ -18,7 +18,7 @@ its durations, and keeps the quick GPU report that selection runs. The folder ho
     report/           the quick GPU report (python -m distlab.gpu_report --quick), as the book reads one
     summary.txt       one line a step: what ran, how long, passed or failed
 
-Without a GPU it says so in one line and exits 2: the GPU tier would only skip.
+Without a GPU, or without torch, it says so in one line and exits 2: the GPU tier would only skip.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REQUIREMENTS = ROOT / "tests" / "gpu-requirements.txt"
 SELECTIONS = {"quick": "gpu and quick", "full": "gpu"}
+STOP_S = {"quick": 600, "full": 3600}
+"""When the tier is stopped. The quick selection's time on one GPU and on two is estimated test by test by
+``tests/test_gpu.py::quick_estimate_s``, and ``tests/test_gpu_audit.py`` holds both under 80 % of this stop."""
 
 
 def torchvision_for(torch_version: str) -> str:
@@ -128,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-install", action="store_true", help="the packages are there already")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop the tier after this (quick: 600 s)")
     args = parser.parse_args(argv)
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # a virtualenv without torch: say so, not a traceback
+        print("gpu_check: torch is not installed in this Python: run it with the Python that has the GPU's torch",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False): the GPU tier would only skip; "
               "run it on a machine with one", file=sys.stderr)  # fmt: skip
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         selection = "full" if args.full else "quick"
         began = time.perf_counter()
         print(f"gpu_check: the GPU tier's {selection} selection, output in {out / 'tier.log'} ...", flush=True)
-        code, said = run_tier(out, selection, args.timeout_s or (3600 if args.full else 600))
+        code, said = run_tier(out, selection, args.timeout_s or STOP_S[selection])
         step("tier", said, began, code == 0)
         failed |= code != 0
         if not (out / "report" / "report.json").is_file() and not any((out / "report").glob("*/report.json")):

@@ -10,19 +10,23 @@ from pathlib import Path
 
 
 def distlab_source() -> list[str]:
-    """What to pip-install distlab from: the first of these that exists."""
-    for folder in [Path.cwd(), *Path.cwd().parents]:  # a checkout of the course, this folder or above
+    """What to pip-install distlab from: the first of these that exists. Every route works offline."""
+    here = Path.cwd()
+    for folder in [here, *here.parents, *sorted(here.glob("*/"))]:  # a checkout: here, above, or cloned beside
         if (folder / "src" / "distlab").is_dir():
             return [str(folder)]
     for wheel in glob.iglob("/kaggle/input/**/distlab-*.whl", recursive=True):  # Kaggle: the wheel dataset
         return ["--no-index", "--find-links", os.path.dirname(wheel), "distlab"]
+    if sorted(here.glob("distlab-*-py3-none-any.whl")):  # Colab, elsewhere: the wheel uploaded beside the notebook
+        return ["--no-index", "--find-links", str(here), "distlab"]
     if os.environ.get("DISTLAB_SOURCE"):  # a clone of the course, or git+https://... of its repository
         return [os.environ["DISTLAB_SOURCE"]]
     raise SystemExit(
         "distlab is not installed: on Kaggle, add the distlab wheel dataset to this notebook (right-hand panel, "
         "Input > Add Input) and run this cell again (a pushed notebook names it already: the dataset may still be "
-        "processing, so wait until `kaggle datasets status <you>/distlab-wheel` says ready); elsewhere, set "
-        "DISTLAB_SOURCE to a clone of the course."
+        "processing, so wait until `kaggle datasets status <you>/distlab-wheel` says ready); on Colab, upload the "
+        "distlab wheel (`pip wheel --no-deps -w dist .` in a clone of the course writes dist/distlab-*.whl) to "
+        f"{here} with the Files panel and run this cell again; elsewhere, set DISTLAB_SOURCE to a clone of the course."
     )
 
 

@@ -7,10 +7,16 @@ GPUs when it finds two: ``distlab.train`` with every strategy on one NCCL rank, 
 and on one NCCL rank per GPU, in fp16 as a T4 runs it whatever the GPU supports; ``python -m distlab.gpu_report``;
 every lab played top to bottom; the exercises' grader on CUDA ranks.
 
-Two sizes. ``-m "gpu and quick"`` runs every GPU code path once (every strategy, the fp16 paths, the report's
-parts, every lab's own launch, the grader on CUDA ranks): 5.9 minutes on one H200, by ``QUICK_ESTIMATE_S`` (each
-test's time measured there, tests/gpu-runs/2026-11-28-h200). ``-m gpu`` runs everything: every strategy in every
-layout, every lab top to bottom. Both are meant to be run with ``--durations=0``.
+Two sizes. ``-m "gpu and quick"`` runs every GPU code path the machine's GPUs take once (every strategy, the fp16
+paths, the report's parts, every lab's own launch, the grader on CUDA ranks): :func:`quick_estimate_s` gives its
+time on one GPU and on two, test by test, from the committed H200 run's durations (tests/gpu-runs/2026-11-28-h200)
+and, for what only two GPUs run, named estimates; both fit well inside ``scripts/gpu_check.py``'s stop. ``-m gpu``
+runs everything: every strategy in every layout, every lab top to bottom. Both are meant to be run with
+``--durations=0``.
+
+NCCL's transport on GPUs without peer access (a T4 pair) is set by every NCCL rank itself
+(``distlab.runtime.distributed``); the lab scripts, which make their own group, get it from the environment the
+test gives them, as a lab's first cell gives it (:func:`nccl_transport_as_a_lab_sets_it`).
 
 Each GPU test has a CPU twin in CI that runs the same code up to the call that needs a GPU:
 
@@ -33,6 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,40 +131,32 @@ bf16 (fp16 on a GPU without bf16)."""
 LAB_QUICK_STRATEGIES = ("single", "naive_ddp", "bucketed_ddp", "ddp")
 """What the labs' quick launches train on the GPU: lab 0's first run (single), and the DDP lab's step benchmark
 (``distlab.bench.ddp_step``: the course's NaiveDDP and BucketedDDP strategies beside torch DDP)."""
-QUICK_TRAIN = {
+ONE_GPU_QUICK_TRAIN = {
     ("zero3-gpt-tiny-fp16", "one NCCL rank"),
     ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank"),
-    ("zero2-gpt-tiny-fp16", "two gloo ranks share one GPU"),
     ("fsdp-offload-clip-gpt-tiny-fp16", "two gloo ranks share one GPU"),
-    ("ddp-cnn", "one NCCL rank per GPU"),
-    ("zero2-gpt-tiny-fp16", "one NCCL rank per GPU"),
+}
+"""The quick selection's training on one GPU: fp16 with the course's ShardedGradScaler (ZeRO-3) and FSDP2 with
+offload and clipping on one NCCL rank, and the FSDP2 case on two gloo ranks sharing the GPU (Colab's layout: P16's
+mesh, the reductions on gloo); every other strategy trains in the report's sweep (``REPORT_SWEEP_STRATEGIES``) and
+the labs' launches (``LAB_QUICK_STRATEGIES``)."""
+TWO_GPU_QUICK_TRAIN = {
+    ("fsdp-offload-clip-gpt-tiny-fp16", "two gloo ranks share one GPU"),
     ("fsdp-offload-clip-gpt-tiny-fp16", "one NCCL rank per GPU"),
 }
-"""The quick selection's training: fp16 with ShardedGradScaler by hand and FSDP2 with offload and clipping, on one
-rank and on two; every other strategy trains in the report's sweep (``REPORT_SWEEP_STRATEGIES``) and the labs'
-launches (``LAB_QUICK_STRATEGIES``). On two GPUs or more, one NCCL rank each as well."""
+"""On two GPUs or more: FSDP2 with offload and clipping in fp16 on one NCCL rank per GPU (the found-inf and the norm
+on the gloo leg of two NCCL ranks: Kaggle's path), and on two gloo ranks sharing GPU 0. The one-rank cases add
+nothing two ranks do not run (one rank skips every reduction); ZeRO-3 and DDP on NCCL ranks run in the report's
+sweep, DDP in its batch-norm part and the DDP lab's step; each of them is in the full tier (``-m gpu``)."""
 
 
-def train_params() -> list[tuple[str, str, tuple[str, ...]]]:
-    return [
-        (case_id, where, ("quick",) if (case_id, where) in QUICK_TRAIN else ()) for case_id, where in TRAIN_SELECTION
-    ]
+def quick_train(gpus: int) -> set[tuple[str, str]]:
+    return TWO_GPU_QUICK_TRAIN if gpus >= 2 else ONE_GPU_QUICK_TRAIN
 
 
-QUICK_ESTIMATE_S = {
-    "the quick report (host, copies to 64 MB, the sweep's two points, FSDP2's options on gpt-mini)": 113,
-    "5 labs to their own launch: pinned 37, ring 24, FSDP 21, lab 0 20, DDP 20": 122,
-    "the FSDP2 point, one torchrun": 22,
-    "training: zero3 fp16 21, fsdp offload+clip fp16 18 (one NCCL rank); the same 19 and zero2 fp16 17 (two gloo "
-    "ranks share the GPU)": 75,
-    "the grader on CUDA ranks, one exercise (the forkserver's start included)": 8,
-    "the no-wait check of a training step, in-process": 1,
-    "pytest's start and collection (the tier's 391 s less its tests' 379 s)": 12,
-}
-"""The quick selection on one GPU, in seconds: each input is a test's measured time on one H200 (torch 2.11, 16
-cores), from ``tests/gpu-runs/2026-11-28-h200/durations.txt``, where the selection took 391 s with two more
-training jobs (the course's NaiveDDP and BucketedDDP, 19 and 18 s, since left to the DDP lab's launch, which trains
-both): 353 s, 5.9 minutes. Two GPUs add three training jobs and two exercises (~70 s)."""
+def train_params(gpus: int = GPUS) -> list[tuple[str, str, tuple[str, ...]]]:
+    quick = quick_train(gpus)
+    return [(case_id, where, ("quick",) if (case_id, where) in quick else ()) for case_id, where in TRAIN_SELECTION]
 
 
 @pytest.mark.parametrize("where", LAYOUTS)
@@ -211,27 +210,57 @@ def test_train_on_the_gpu(case_id, where, tmp_path, monkeypatch):
     assert read_result(next(tmp_path.glob("*.json")))
 
 
+NO_WAIT_ARGV = ("--strategy", "single", "--model", "cnn", "--dataset", "synthetic", "--synthetic-size", "256",
+                "--batch-size", "32", "--epochs", "1", "--log-every", "0")  # fmt: skip
+
+
+def steps_of_a_run(device: str, backend: str, steps: int, around_the_steps=nullcontext) -> int:
+    """``distlab.train``'s own run, built in this process on one rank, one warm-up step (first allocations, cuBLAS's
+    handle), then ``steps`` whole training steps (DataLoader batch, forward, backward, Adam) inside
+    ``around_the_steps``; the samples the steps counted."""
+    from distlab.runtime import distributed, synchronize
+    from distlab.train import EpochBatches, MetricSums, build_run, train_step
+
+    cfg = parse(TrainConfig, [*NO_WAIT_ARGV, "--device", device, "--backend", backend], "distlab.train")
+    with distributed(device, backend) as runtime:
+        run = build_run(cfg, runtime)
+        run.loader.set_epoch(0)
+        run.model.train()
+        batches, sums = EpochBatches(run.loader), MetricSums(runtime.device)
+        train_step(run, batches, sums)
+        synchronize(runtime.device)
+        with around_the_steps():
+            for _ in range(steps):
+                train_step(run, batches, sums)
+        synchronize(runtime.device)
+        return sums.count
+
+
+@contextmanager
+def cuda_refuses_to_wait():
+    import torch
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.gpu
 @pytest.mark.quick
 @needs_gpu
 def test_a_training_step_never_waits_for_the_gpu():
-    """P7: a step's metrics are summed on the GPU without a copy from the host, so the host runs ahead of the GPU
-    (what lets a non_blocking copy overlap compute). CUDA's sync debug mode raises on any call that waits for it."""
-    import torch
+    """P7, T9: a whole training step of ``distlab.train`` on one NCCL rank (a batch from its DataLoader, forward,
+    backward, Adam's step, the metrics summed on the GPU) makes no call that waits for the GPU, so the host runs
+    ahead of it (what lets a non_blocking copy overlap compute). CUDA's sync debug mode raises on any such call. In
+    fp32: in fp16 GradScaler's ``step`` reads its overflow flag on the host every step, by design. CPU twin:
+    ``tests/test_gpu_audit.py::test_t9_the_no_wait_check_runs_whole_steps_of_the_library_run``."""
+    assert steps_of_a_run("cuda", "nccl", steps=3, around_the_steps=cuda_refuses_to_wait) == 4 * 32
 
-    from distlab.train import MetricSums, loss_and_correct
 
-    device = torch.device("cuda", 0)
-    logits, targets = torch.randn(64, 10, device=device), torch.randint(0, 10, (64,), device=device)
-    sums = MetricSums(device)
-    torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            sums.add(*loss_and_correct(logits, targets))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert sums.count == 3 * 64
+REPORT_BUDGET_S = 300
+"""The quick report's budget inside the quick selection: a part it leaves for lack of time fails the test (P9)."""
 
 
 def report_parts_expected(gpus: int) -> set[str]:
@@ -247,7 +276,16 @@ def test_the_gpu_report_runs_every_part_that_should_and_says_so(tmp_path):
     report is complete, and each FSDP2 option's CUDA peak is its own: offloading the shards to the CPU leaves the
     GPU less than the default holds (P6: with every option resident the two were about equal)."""
     out = Path(os.environ.get("DISTLAB_GPU_CHECK_REPORT") or tmp_path)  # scripts/gpu_check.py keeps the report
-    command = [sys.executable, "-m", "distlab.gpu_report", "--out", str(out), "--budget-s", "300", "--quick"]
+    command = [
+        sys.executable,
+        "-m",
+        "distlab.gpu_report",
+        "--out",
+        str(out),
+        "--budget-s",
+        str(REPORT_BUDGET_S),
+        "--quick",
+    ]
     job = subprocess.run(command, capture_output=True, text=True, timeout=420)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     (report_file,) = out.glob("*/report.json")
@@ -303,6 +341,18 @@ def test_the_sweep_steps_every_strategy_in_fp16_on_the_gpu(tmp_path):
     assert all(math.isfinite(row["time_s"]) and row["time_s"] > 0 for row in point["variants"])
 
 
+def nccl_transport_as_a_lab_sets_it(monkeypatch) -> None:
+    """The NCCL variables a lab's first cell sets in its kernel on these GPUs (none where they have peer access),
+    set for this test's jobs: the lab scripts make their own group, without ``distlab.runtime.distributed``."""
+    from distlab.measure import hardware
+
+    environ = dict(os.environ)
+    hardware.set_nccl_transport(hardware.survey(topology=False), environ)
+    for name, value in environ.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("where", ["two gloo ranks share one GPU", "one NCCL rank per GPU"])
@@ -316,6 +366,7 @@ def test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload(where, tmp_path, mo
     placement, env = laid_out
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    nccl_transport_as_a_lab_sets_it(monkeypatch)
     out = tmp_path / "fsdp.json"
     done = run_torchrun(
         2, str(ROOT / "scripts" / "fsdp_train.py"), "--model", "cnn", "--dataset", "synthetic", "--samples", "1024",
@@ -328,15 +379,56 @@ def test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload(where, tmp_path, mo
     assert math.isfinite(result["metrics"]["epochs"][-1]["train_loss"])
 
 
+def fused_adam_quick_layout(gpus: int) -> str:
+    """Where the quick selection runs the T4's FSDP2 step: on two NCCL ranks where there are two GPUs (Kaggle's
+    pair: the scaler's found-inf all-reduced), else on one."""
+    return "one NCCL rank per GPU" if gpus >= 2 else "one NCCL rank"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    "where",
+    [pytest.param(w, marks=[pytest.mark.quick] if w == fused_adam_quick_layout(GPUS) else [])
+     for w in ("one NCCL rank", "one NCCL rank per GPU")],
+)  # fmt: skip
+def test_fsdp2_with_fused_adam_and_an_fp16_gradscaler_trains_on_the_gpu(where, tmp_path, monkeypatch):
+    """T4 (gpu-audit-2): the FSDP lab's GPT runs on a T4 (``--precision auto`` is fp16 there): FSDP2's DTensor
+    shards stepped by ``Adam(fused=True)``, with GradScaler enabled handing the fused kernel its ``grad_scale`` and
+    ``found_inf`` (plain one-element tensors) beside them. Never run on a GPU before; fp16 is forced here, whatever
+    the GPU supports. CPU twin: ``tests/test_gpu_audit.py::test_t4_fsdp2_steps_with_fused_adam_and_an_enabled_
+    gradscaler_on_gloo_ranks`` (the same three together on the CPU, without fp16 autocast or the CUDA kernel)."""
+    laid_out = layout(where, GPUS)
+    if laid_out is None:
+        pytest.skip(f"{where} needs two GPUs or more; this machine has {GPUS}")
+    placement, _ = laid_out
+    nccl_transport_as_a_lab_sets_it(monkeypatch)
+    out = tmp_path / "fsdp.json"
+    done = run_torchrun(
+        placement.ranks, str(ROOT / "scripts" / "fsdp_train.py"), "--model", "gpt-tiny", "--samples", "128",
+        "--epochs", "1", "--batch-size", "8", "--num-workers", "0", "--precision", "fp16", *placement.args,
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["metrics"]["compute_dtype"] == "torch.float16"  # so GradScaler was enabled, and Adam fused on CUDA
+    assert math.isfinite(result["metrics"]["epochs"][-1]["train_loss"])
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("flags", [("--fsdp-replicate", "2"), ("--fsdp-reshard-to", "2")], ids=["hsdp", "reshard-to"])
 def test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks(flags, tmp_path):
-    """P13: HSDP (``--fsdp-replicate``) and resharding to pairs (``--fsdp-reshard-to``) build a 2-D mesh, whose
-    groups DeviceMesh splits from the rank's default group, bound to its GPU and carrying both NCCL and gloo: the
-    path whose mixed-backend handling torch changed across 2.9-2.14 (pytorch/pytorch#159200, #162424). Never run:
-    it needs four GPUs, and no CPU run can reach it (a group is bound to a device only on a GPU). Until this test
-    has passed on a GPU the course does not claim either on GPUs."""
+    """P13, T5: HSDP (``--fsdp-replicate``) and resharding to pairs (``--fsdp-reshard-to``) on a 2-D mesh of NCCL
+    ranks. HSDP's mesh is made by distlab from ``dist.new_group`` groups on ``cpu:gloo,cuda:nccl`` (NCCL's
+    communicator split by NCCL from the default group's, a new gloo leg) and ``DeviceMesh.from_group``, never
+    ``split_group`` (``parallel.fsdp2.hsdp_mesh``; CPU twin: ``tests/test_gpu_audit.py::test_p13_...``, and the
+    same code whole on four gloo ranks in ``tests/test_equivalence.py``). ``--fsdp-reshard-to``'s mesh FSDP2 makes
+    itself (``DeviceMesh(device_type, mesh.view(-1, g))``), and on a default group bound to a GPU DeviceMesh makes
+    its groups with ``split_group`` of the gloo+NCCL parent (torch 2.14 and 2.10), the path whose mixed-backend
+    handling torch changed across 2.9-2.14 (pytorch/pytorch#159200, #162424): distlab cannot hand it groups, and
+    no CPU run reaches it (a group is bound to a device only on a GPU). Never run: it needs four GPUs. Until this
+    test has passed on a GPU the course does not claim either on GPUs."""
     from distlab.labs.launch import train
 
     if GPUS < 4:
@@ -361,6 +453,7 @@ script or benchmark; lab 0 its first run), with the jobs of the cells before it 
 QUICK_EDITS = (
     ('"--epochs", "5"', '"--epochs", "1"'),  # one epoch of each run: the code path, not the lesson's curve
     ("--sizes 4KB:1GB --out", "--sizes 4KB:64MB --loader-epochs 0 --out"),  # copies, without the DataLoader study
+    ('"4KB:256MB" if BACKEND', '"4KB:16MB" if BACKEND'),  # the ring on NCCL: the code path, at gloo's sizes
 )
 LAUNCH = re.compile(r"^\s*!.*(torch\.distributed\.run|\{TORCHRUN)")
 
@@ -443,13 +536,18 @@ def test_every_labs_quick_play_stops_at_its_own_job_with_the_earlier_jobs_left_o
 
 
 EXERCISES = sorted(all_exercises())
-QUICK_EXERCISES = {"ring_all_reduce", "zero3_unit", "h2d_copy_time"}
-"""On one GPU only the one-rank exercises place on CUDA (arithmetic: h2d_copy_time); the ring and ZeRO-3's unit
-send CUDA tensors over NCCL on two GPUs (and are checked again on three CPU ranks, which two cannot stand for)."""
+
+
+def quick_exercises(gpus: int) -> set[str]:
+    """On one GPU only the one-rank exercises place on CUDA (arithmetic: h2d_copy_time, which shows a one-rank NCCL
+    group starting from the grader); on two, the ring sends CUDA tensors point to point over NCCL between two ranks
+    (and is checked again on three CPU ranks, which two cannot stand for). ZeRO-3's unit, the other exercise over
+    NCCL, runs in the full tier: its collectives run in the report's sweep."""
+    return {"ring_all_reduce"} if gpus >= 2 else {"h2d_copy_time"}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[pytest.mark.quick] if n in QUICK_EXERCISES else []) for n in EXERCISES]
+    "name", [pytest.param(n, marks=[pytest.mark.quick] if n in quick_exercises(GPUS) else []) for n in EXERCISES]
 )
 @pytest.mark.gpu
 @needs_gpu
@@ -464,3 +562,93 @@ def test_the_grader_passes_every_solution_on_cuda_ranks(name):
         pytest.skip(f"{name}: {err}")
     verdict = grade(name, exercise.solution_function(), device="cuda")
     assert verdict.passed and verdict.device == "cuda", verdict.message
+
+
+# How long the quick selection takes, on one GPU and on two: every quick test that runs there, each from what the
+# committed H200 run measured (tests/gpu-runs/2026-11-28-h200: one H200, 16 host cores, torch 2.11) and, for what
+# only two GPUs run, the named estimates below. Not a measurement of two GPUs: none has run the tier yet.
+H200_RUN = ROOT / "tests" / "gpu-runs" / "2026-11-28-h200"
+NCCL_START_S = 5.0
+"""What a job's NCCL communicator adds for two ranks on one node (its unique id, rings and channels; the gloo leg
+is made either way). An estimate: no two-GPU run yet."""
+SHORT_WORK_S = 5.0
+"""A two-rank report part's own measurement at quick sizes (three collectives to 64 MB, five times; a few DDP steps
+with SyncBatchNorm), beside its job's start. An estimate."""
+NO_WAIT_STEP_S = 3.0
+"""The no-wait check: ``distlab.train``'s run built in-process and four CNN steps on a warm GPU. An estimate (the
+metric sums alone, its earlier form, took 0.3 s on the H200)."""
+
+
+def h200_seconds() -> dict[str, float]:
+    """Each passed test's seconds in the H200 run (durations.txt), by its id in this file."""
+    rows = {}
+    for line in (H200_RUN / "durations.txt").read_text().splitlines():
+        seconds, _, outcome, name = line.split(maxsplit=3)
+        if outcome == "passed":
+            rows[name.split("::", 1)[1]] = float(seconds)
+    return rows
+
+
+def h200_part_seconds(part: str) -> float:
+    """A part of the H200 run's quick report, as the report timed it (its torchrun job, start to end)."""
+    report = json.loads((H200_RUN / "report" / "report.json").read_text())
+    return next(row["seconds"] for row in report["parts"] if row["name"] == part)
+
+
+def h200_pytest_start_s() -> float:
+    """pytest's start and collection in the H200 run: the tier's time (summary.txt) less its tests' (durations)."""
+    tier = re.search(r"^tier: \w+ in (\d+) s", (H200_RUN / "summary.txt").read_text(), re.M)
+    return float(tier.group(1)) - sum(h200_seconds().values())
+
+
+def h200_extra_seconds(test_id: str) -> float:
+    """A test the H200 lease ran beside the quick selection (extras.log, pytest's durations)."""
+    found = re.search(rf"([\d.]+)s call\s+tests/test_gpu.py::{re.escape(test_id)}$", (H200_RUN / "extras.log")
+                      .read_text(), re.M)  # fmt: skip
+    return float(found.group(1))
+
+
+def quick_estimate_s(gpus: int) -> dict[str, float]:
+    """Seconds of each quick test that runs on ``gpus`` GPUs (one or two), on a host like the H200's; the tests that
+    would skip are left out. On two GPUs a test measured on one gets what two GPUs add to it: an NCCL communicator
+    where its ranks become NCCL ranks, the report's two parts of two NCCL ranks (each a job's start, measured as the
+    H200 report's ``host`` part, plus its communicator and its own work), and the pinned lab's second GPU (the
+    report's ``copies`` part, less a job's start); a test only two GPUs run is estimated from the same job on two
+    gloo ranks sharing one GPU, or from two gradings of the measured one-rank one."""
+    seen, two = h200_seconds(), gpus >= 2
+    nccl = NCCL_START_S if two else 0.0
+    job_start = h200_part_seconds("host")
+    report = seen["test_the_gpu_report_runs_every_part_that_should_and_says_so"]
+    if two:  # collectives and batch-norm on 2 NCCL ranks; the sweep's and fsdp-options' ranks now NCCL ranks
+        report += 2 * (job_start + NCCL_START_S + SHORT_WORK_S) + 2 * NCCL_START_S
+    out = {
+        "test_the_gpu_report_runs_every_part_that_should_and_says_so": report,
+        "test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu": seen[
+            "test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu"],
+        "test_a_training_step_never_waits_for_the_gpu": NO_WAIT_STEP_S,
+        "pytest's start and collection": h200_pytest_start_s(),
+    }  # fmt: skip
+    for lab in LABS:
+        test_id = f"test_every_lab_launches_its_own_job_on_the_gpus_present[{lab.stem}]"
+        extra = 0.0 if lab.stem == "lab0_first_run" else nccl  # lab 0's first run is one rank on either
+        if lab.stem == "lab_pinned_memory" and two:  # each GPU measured in turn
+            extra += h200_part_seconds("copies") - job_start
+        out[test_id] = seen[test_id] + extra
+    for case_id, where in quick_train(gpus):
+        if layout(where, gpus) is None:
+            continue
+        shared = f"test_train_on_the_gpu[{case_id}-two_gloo_ranks_share_one_GPU]"
+        test_id = f"test_train_on_the_gpu[{case_id}-{where.replace(' ', '_')}]"
+        out[test_id] = seen[test_id] if test_id in seen else seen[shared] + NCCL_START_S
+    one_rank_grading = seen["test_the_grader_passes_every_solution_on_cuda_ranks[h2d_copy_time]"]
+    for name in quick_exercises(gpus):  # two GPUs: graded on CUDA ranks, then checked again on three CPU ranks
+        out[f"test_the_grader_passes_every_solution_on_cuda_ranks[{name}]"] = (
+            one_rank_grading if not two else 2 * one_rank_grading + NCCL_START_S
+        )
+    script = h200_extra_seconds(
+        "test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload[two gloo ranks share one GPU]"
+    )
+    out[f"test_fsdp2_with_fused_adam_and_an_fp16_gradscaler_trains_on_the_gpu[{fused_adam_quick_layout(gpus)}]"] = (
+        script + nccl
+    )
+    return out

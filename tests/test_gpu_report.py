@@ -353,3 +353,30 @@ def test_a_quick_report_on_a_gpu_sweeps_the_launch_bound_point_and_one_sized_pre
     assert quick.args[quick.args.index("--models") + 1] == "gpt-mini"
     first_sized = full.args[full.args.index("--batch-sizes") + 1].split(",")[0]
     assert quick.args[quick.args.index("--batch-sizes") + 1] == first_sized
+
+
+def test_t6_the_scrub_keeps_the_topologys_legend_and_takes_every_path(tmp_path, monkeypatch):
+    """T6 (gpu-audit-2): the scrub read ``d:`` and JSON's escaped newline as a Windows drive, so every committed
+    report's topology said "Legen<path>  X    = Self". A drive is one letter on its own: windows' and unix paths
+    still go, in JSON (``C:\\\\Users``) as in text, and the legend stays."""
+    monkeypatch.setattr(run, "machine_names", lambda: [])
+    topology = "\tGPU0\tGPU1\nGPU0\t X \tNV18\n\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing NVLinks"
+    record = {"topology": topology, "windows": "C:\\Users\\alice\\run", "after_a_newline": "ran\nD:\\work\\x",
+              "unix": "/home/alice/x"}  # fmt: skip
+    (tmp_path / "report.json").write_text(json.dumps(record, indent=1))
+    run.scrub(tmp_path)
+    scrubbed = json.loads((tmp_path / "report.json").read_text())
+    assert scrubbed["topology"] == topology
+    assert scrubbed["windows"] == "<path>" and scrubbed["after_a_newline"] == "ran\n<path>"
+    assert scrubbed["unix"] == "<path>"
+    assert schema.MACHINE_PATH.search("see C:\\Users\\alice in the log")  # a text file's path, one backslash
+    assert not schema.MACHINE_PATH.search(json.dumps({"topology": topology}))
+
+
+def test_t6_the_committed_reports_topology_lost_its_legend_to_the_old_scrub():
+    """What the old scrub wrote into the committed H200 reports (kept as measured): the regular expression now finds
+    no path in the topology it would have written, so a report scrubbed from now on keeps its legend."""
+    committed = json.loads((committed_results("gpu") / "nvidia-h200-1x-20261128-174427" / "report.json").read_text())
+    topology = committed["environment"]["topology"]
+    assert "Legen<path>" in topology
+    assert not schema.MACHINE_PATH.search(json.dumps(topology.replace("Legen<path>", "Legend:\n\n")))

@@ -120,10 +120,12 @@ def nccl_transport(facts: dict[str, Any]) -> dict[str, Any]:
 
 def hardware_label(env: dict[str, Any]) -> str:
     """The machine a result was measured on, for plot titles: GPU name and
-    backend on CUDA, CPU model and core count otherwise."""
+    backend on CUDA, CPU model and core count otherwise. A one-rank GPU run
+    names no backend: it sends nothing between ranks (T8 of gpu-audit-2)."""
     if str(env.get("device", "cpu")).startswith("cuda"):
         gpus = env.get("gpus") or [env.get("device_name")]
-        return f"{len(gpus)} x {env.get('device_name')} ({env.get('backend')})"
+        between = f" ({env.get('backend')})" if (env.get("world_size") or 1) > 1 else ""
+        return f"{len(gpus)} x {env.get('device_name')}{between}"
     return f"CPU: {env.get('cpu')}, {env.get('cpu_count')} cores ({env.get('backend') or 'no backend'})"
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import DistlabError, FailureReports, collective_failure
+from .measure import hardware
 
 LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 """The reduced-precision dtypes a command line can name; anything else means fp32."""
@@ -227,6 +228,16 @@ def _release_group(collect: bool = True) -> None:
     dist.destroy_process_group()
 
 
+def set_nccl_transport_here() -> None:
+    """NCCL's transport for this machine's GPUs, set in this rank's own environment before its communicator is
+    made (NCCL reads it then): on GPUs without peer access (a T4 pair) ``NCCL_P2P_DISABLE=1`` and
+    ``NCCL_CUMEM_HOST_ENABLE=0`` (:func:`distlab.measure.hardware.set_nccl_transport`), nothing elsewhere. Decided
+    here, where every NCCL rank starts, so no launcher (a lab's ``!torchrun``, the tests' ``run_torchrun``, the
+    grader's forked ranks, a learner's own ``check(..., device="cuda")``) can forget it; a value the launcher set
+    is kept. Silent: the launcher, not every rank, says it (a lab's first cell, the GPU report)."""
+    hardware.set_nccl_transport(hardware.survey(topology=False), os.environ)
+
+
 @contextmanager
 def distributed(
     device: str = "auto", backend: str = "auto", timeout_s: float = 300.0, start_timeout_s: float | None = None
@@ -259,6 +270,7 @@ def distributed(
         kwargs = dict(backend=group_backend(chosen), timeout=start)
         if chosen == "nccl":
             kwargs["device_id"] = target
+            set_nccl_transport_here()
         if launched:
             # torchrun keeps one store across restarts: each attempt takes keys of its own, or a restarted
             # rank can read a dead attempt's address (gloo) or unique id (NCCL) before its peer rewrites it.

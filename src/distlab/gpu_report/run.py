@@ -155,10 +155,10 @@ def sized_presets(machine: Machine) -> list[str]:
 def plan(machine: Machine, quick: bool = False) -> list[Part]:
     """Every part, with its ranks, device, backend and sizes for this machine (``quick``: the smallest that still
     runs each path; on a GPU, the sweep's launch-bound point and its smallest sized one, without FSDP2's own
-    point, which the GPU tests run apart, copies up to 64 MB, and FSDP2's options on gpt-mini). Where the parts run
-    is :func:`~distlab.runtime.place`'s answer for ``machine.gpus``: one NCCL rank per GPU; without a GPU, 2 gloo
-    ranks in bf16 autocast, the GPU's code path, at CPU sizes. A part that needs two ranks is skipped on one GPU
-    (NCCL needs one GPU per rank; gloo ranks sharing it would measure gloo)."""
+    point, which the GPU tests run apart, copies and NCCL's collectives up to 64 MB, and FSDP2's options on
+    gpt-mini). Where the parts run is :func:`~distlab.runtime.place`'s answer for ``machine.gpus``: one NCCL rank
+    per GPU; without a GPU, 2 gloo ranks in bf16 autocast, the GPU's code path, at CPU sizes. A part that needs two
+    ranks is skipped on one GPU (NCCL needs one GPU per rank; gloo ranks sharing it would measure gloo)."""
     every = place(gpus=machine.gpus)  # the parts that run on every rank the machine has
     alone = place(1, gpus=machine.gpus)  # the host's and the copies' measurements: one rank
     cuda = every.device == "cuda"
@@ -168,8 +168,11 @@ def plan(machine: Machine, quick: bool = False) -> list[Part]:
     sized = sized[:1] if quick else sized
     variants = ",".join(FSDP_OPTIONS + (("bf16",) if machine.bf16 or not cuda else ()))
     host = "--sizes 4MB --repeats 3" if quick else "--sizes 4MB,64MB --repeats 3"
-    sizes = "--sizes " + ("64KB:256MB" if cuda else "64KB:1MB" if quick else "64KB:16MB")
-    sizes += " --repeats " + ("10" if cuda else "3")
+    # quick on GPUs: NCCL's collectives to 64 MB, five times, the code path within the quick selection's time (T3)
+    sizes = "--sizes " + (
+        "64KB:64MB" if cuda and quick else "64KB:256MB" if cuda else "64KB:1MB" if quick else "64KB:16MB"
+    )
+    sizes += " --repeats " + ("5" if cuda and quick else "10" if cuda else "3")
     if sized:  # each preset at its compute-dominated batch, after the smallest one at the launch-bound size
         shared = [s for s in sized if not s.alone]
         sweep = (

@@ -38,8 +38,12 @@ ENVIRONMENT_KEYS = ("torch", "python", "gpus", "device_kind", "cuda", "nccl", "d
 LARGEST_FILE = 8 * 2**20
 LARGEST_REPORT = 32 * 2**20
 LARGEST_NUMBER = 1e18
-MACHINE_PATH = re.compile(r"(/home/|/root/|/Users/|/kaggle/|/tmp/|/var/folders/|/private/|[A-Za-z]:\\)[^\s\"']*")
-"""A path that names someone's machine: a report is shared, and its files must not carry one."""
+MACHINE_PATH = re.compile(
+    r"(/home/|/root/|/Users/|/kaggle/|/tmp/|/var/folders/|/private/|(?:(?<!\w)|(?<=\\[nrt]))[A-Za-z]:\\)[^\s\"']*"
+)
+r"""A path that names someone's machine: a report is shared, and its files must not carry one. A Windows drive is
+one letter standing alone (or after an escaped newline or tab, in JSON), then a backslash: ``C:\\Users`` in JSON,
+``C:\Users`` in text; the ``d:`` of a word before JSON's ``\n`` (``"Legend:\n"``) is none."""
 TEXT_SUFFIXES = (".json", ".md", ".txt")
 
 

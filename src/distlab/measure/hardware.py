@@ -118,9 +118,18 @@ def set_nccl_transport(facts: dict[str, Any], environ: MutableMapping[str, str] 
     return line
 
 
+NOT_NCCL_SETTINGS = ("NCCL_VERSION",)
+"""``NCCL_*`` variables that NCCL does not read: NVIDIA's CUDA images set ``NCCL_VERSION`` to the NCCL they ship
+(2.28.3-1 on the H200's), which is neither a setting nor the NCCL torch runs (its own, :func:`survey`'s ``nccl``)."""
+
+
 def nccl_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The ``NCCL_*`` variables in effect: what the ranks launched from here will run with."""
-    return {name: value for name, value in sorted(environ.items()) if name.startswith("NCCL_")}
+    """The ``NCCL_*`` settings in effect: what the ranks launched from here will run with."""
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name.startswith("NCCL_") and name not in NOT_NCCL_SETTINGS
+    }
 
 
 def save(facts: dict[str, Any], path: str | os.PathLike) -> Path:

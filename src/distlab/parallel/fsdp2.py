@@ -128,22 +128,25 @@ class FSDP2(Strategy):
 
     def device_mesh(self, runtime):
         """A 1-D mesh over every rank, or HSDP's 2-D one: ``replicate`` rows of ``N / replicate`` ranks, each row
-        one replica that shards the model (rank r in row r // (N / replicate)), each column one shard's replicas.
+        one replica that shards the model (rank r in row r // (N / replicate)), each column one shard's replicas
+        (:func:`hsdp_mesh`).
 
-        On GPUs a 2-D mesh (and ``reshard_to``'s) is split from a default group bound to the rank's GPU that
-        carries NCCL and gloo, a path whose handling torch changed across releases; it has not run on GPUs yet (it
-        needs four: ``tests/test_gpu.py::test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks``)."""
+        ``reshard_to``'s 2-D mesh is not built here: FSDP2 builds it itself from this 1-D one
+        (``_get_post_forward_mesh_info``: ``DeviceMesh(device_type, mesh.view(-1, g))``), and on GPUs DeviceMesh
+        makes its groups with ``split_group`` from the default group, which is bound to the rank's GPU and carries
+        NCCL and gloo (torch 2.14 ``device_mesh.py`` ``_init_one_process_group``; 2.10 the same, lines 420-444): a
+        path whose mixed-backend handling torch changed across releases (pytorch/pytorch#159200, #162424). It has
+        not run on GPUs (four are needed: ``tests/test_gpu.py::test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks``)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        if self.replicate == 1 and runtime.device.type == "cuda" and runtime.backend == "gloo":
+        if self.replicate > 1:
+            return hsdp_mesh(runtime, self.replicate)
+        if runtime.device.type == "cuda" and runtime.backend == "gloo":
             # Ranks sharing a GPU through gloo: the mesh is the default group itself. Asked for a new group instead,
             # some torch releases build it as cpu:gloo,cuda:nccl, two NCCL ranks on one GPU, which NCCL refuses.
             return DeviceMesh.from_group(dist.group.WORLD, "cuda")
-        if self.replicate == 1:
-            return init_device_mesh(runtime.device.type, (runtime.world_size,))
-        shape = (self.replicate, runtime.world_size // self.replicate)
-        return init_device_mesh(runtime.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(runtime.device.type, (runtime.world_size,))
 
     def parameter_device(self, runtime) -> torch.device:
         return torch.device("cpu") if self.cpu_offload else runtime.device
@@ -177,6 +180,38 @@ class FSDP2(Strategy):
         found = super().state_tensors(model, optimizer)
         found["gathered"] = gathered_parameters(model)
         return found
+
+
+def hsdp_mesh(runtime, replicate: int):
+    """HSDP's 2-D mesh, ``("replicate", "shard")``, from groups made here with ``dist.new_group``: every rank makes
+    every row's and every column's group, in the same order, on the default group's backends
+    (:func:`distlab.runtime.group_backend`: ``cpu:gloo,cuda:nccl`` on NCCL ranks, so a CPU tensor still has a leg).
+
+    Not ``init_device_mesh``: on a default group bound to a GPU it makes a 2-D mesh's groups with ``split_group``
+    (torch 2.14 ``device_mesh.py`` ``_init_one_process_group``, "If bound_device_id exists ... use split_group";
+    2.10 the same, lines 420-444), whose handling of a parent with both gloo and NCCL changed across releases
+    (pytorch/pytorch#159200, open; #162424). ``new_group`` splits only NCCL's own communicator from the default
+    group's (``ncclCommSplit``) and makes the gloo leg anew: on a CPU, whose default group is bound to no device,
+    the very calls ``init_device_mesh`` makes, so the CPU tests run this code whole. Not yet run on GPUs (four:
+    ``tests/test_gpu.py::test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..runtime import group_backend
+
+    layout = torch.arange(runtime.world_size).view(replicate, runtime.world_size // replicate)
+
+    def this_ranks_group(groups_of_ranks: torch.Tensor):
+        mine = None
+        for ranks in groups_of_ranks.tolist():  # every rank makes every group: new_group is collective
+            group = dist.new_group(ranks, backend=group_backend(runtime.backend))
+            mine = group if runtime.rank in ranks else mine
+        return mine
+
+    replicas, shards = this_ranks_group(layout.t()), this_ranks_group(layout)
+    return DeviceMesh.from_group(
+        [replicas, shards], runtime.device.type, mesh=layout, mesh_dim_names=("replicate", "shard")
+    )
 
 
 def refuse_stale_gathered_parameters(model: nn.Module) -> None:
