@@ -12,13 +12,13 @@ lab itself decides where its ranks run (``distlab.runtime.place``: one per GPU).
 taken out (:func:`scrub`), and in the notebook's metadata (``distlab_played``) the GPUs, the date, the course's
 commit and the versions; the GPUs are named in the first output, the lab's own set-up line. A lab that fails is
 kept as ``<lab>.failed.ipynb`` (never shown) and the command exits 1. What it needs beyond torch is in
-tests/gpu-requirements.txt. A CPU-played lab is not a GPU run: the command refuses to write one into
-book/results/labs/.
+tests/gpu-requirements.txt. A CPU play goes into book/results/labs/ only with ``--cpu-stand-in``: the book shows
+it, labelled as a CPU run, until a GPU play of that lab is committed.
 
 The book shows a lab unrun unless a played copy of it is committed under ``book/results/labs/<folder>/``: then
-the lab's page renders the newest valid copy (:func:`choose`, :func:`problems`), its label (:func:`label`: the
-GPUs, the date, the commit) in place of the "shown unrun" note. :func:`setup` is that Sphinx side, which
-``_config.yml`` loads from this folder (``local_extensions``).
+the lab's page renders the chosen copy (:func:`choose`: a GPU play before a CPU one, then the newest valid one;
+:func:`problems`) with its label (:func:`label`) in place of the "shown unrun" note. :func:`setup` is that
+Sphinx side, which ``_config.yml`` loads from this folder (``local_extensions``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ BOOK_LABS = ROOT / "book" / "results" / "labs"
 DATA_NOTES = {
     "download": "MNIST, downloaded by each lab that uses it",
     "given": "MNIST from a folder given with --data",
-    "offline": "a stand-in for MNIST written offline (--offline-data: 2,048 images), not MNIST",
+    "offline": "a stand-in for MNIST written offline (--offline-data, distlab.labs.offline), not MNIST",
 }
 """What the label says the labs read, by where their ``./data`` came from."""
 
@@ -68,9 +68,7 @@ LABEL_CLASS = "distlab-played"
 
 def _text_fields(notebook: dict):
     """``(container, key)`` of every text a code cell's outputs hold: streams, tracebacks, text data."""
-    for cell in notebook.get("cells", []):
-        if cell.get("cell_type") != "code":
-            continue
+    for cell in (c for c in notebook.get("cells", []) if c.get("cell_type") == "code"):
         for output in cell.get("outputs", []):
             for key in ("text", "evalue"):
                 if key in output:
@@ -84,9 +82,7 @@ def _text_fields(notebook: dict):
 
 
 def _as_text(value: Any) -> str:
-    if isinstance(value, list):
-        return "".join(value)
-    return value if isinstance(value, str) else json.dumps(value)
+    return "".join(value) if isinstance(value, list) else value if isinstance(value, str) else json.dumps(value)
 
 
 def output_text(notebook: dict) -> str:
@@ -119,9 +115,8 @@ def scrub(notebook: dict, replacements: dict[str, str], hostnames: Iterable[str]
 
 def _first_output(notebook: dict) -> str:
     code = [cell for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"]
-    if not code:
-        return ""
-    return "".join(_as_text(o.get("text", "")) for o in code[0].get("outputs", []) if o.get("output_type") == "stream")
+    outputs = code[0].get("outputs", []) if code else []
+    return "".join(_as_text(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
 
 
 def read(path: str | Path) -> dict:
@@ -177,12 +172,14 @@ def problems(path: str | Path, lab: str | None = None) -> list[str]:
 
 def choose(root: str | Path, lab: str) -> Path | None:
     """The played copy of ``lab`` (a name like ``lab_fsdp``) the book shows: of ``<root>/*/<lab>.ipynb``, the
-    valid ones (:func:`problems`), the newest by the date it was played (then by folder name); None if none."""
+    valid ones (:func:`problems`), a GPU play before a CPU stand-in, then the newest by the date it was played
+    (then by folder name); None if none."""
     candidates = []
     for path in sorted(Path(root).glob(f"*/{lab}.ipynb")):
         if not problems(path, lab):
-            candidates.append((str(provenance(read(path))["date"]), path.parent.name, path))
-    return max(candidates)[2] if candidates else None
+            meta = provenance(read(path))
+            candidates.append((meta["gpu_count"] > 0, str(meta["date"]), path.parent.name, path))
+    return max(candidates)[-1] if candidates else None
 
 
 def invalid(root: str | Path) -> dict[Path, list[str]]:
@@ -195,16 +192,17 @@ def invalid(root: str | Path) -> dict[Path, list[str]]:
     return {path: why for path, why in found.items() if why}
 
 
-def _machine(gpus: list[str]) -> str:
-    if not gpus:
-        return "the CPU (no GPU)"
+def _machine(gpus: list[str], cpu_count: int | None = None) -> str:
+    if not gpus:  # the lab's ranks are then gloo processes on the CPU, sharing its cores
+        cores = f"a {cpu_count}-core CPU" if cpu_count else "the CPU"
+        return f"{cores} (no GPU; the lab's ranks are gloo processes sharing it)"
     return ", ".join(f"{gpus.count(name)} x {name}" for name in dict.fromkeys(gpus))
 
 
 def label(meta: dict) -> str:
     """One line: where, when and from which commit a played copy ran."""
     commit = f"commit {meta['commit']}" if meta.get("commit") else "an unknown commit"
-    return f"Played on {_machine(list(meta['gpus']))} on {str(meta['date'])[:10]} at {commit}"
+    return f"Played on {_machine(list(meta['gpus']), meta.get('cpu_count'))} on {str(meta['date'])[:10]} at {commit}"
 
 
 def label_details(meta: dict, changed: bool = False) -> str:
@@ -325,6 +323,7 @@ def play_labs(
         "schema": SCHEMA,
         "gpus": env["gpus"],
         "gpu_count": len(env["gpus"]),
+        "cpu_count": os.cpu_count(),
         "date": when.isoformat(timespec="seconds"),
         "commit": env["git_commit"],
         "torch": env["torch"],
@@ -362,6 +361,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--offline-data", action="store_true", help="write a tiny MNIST: no download")
     parser.add_argument("--timeout-s", type=float, default=1800, help="seconds a cell may run (default 1800)")
     parser.add_argument("--keep-scratch", action="store_true", help="keep the folders the labs ran in")
+    shown = "on a CPU, play into book/results/labs: shown as a CPU run until a GPU play of the lab is committed"
+    parser.add_argument("--cpu-stand-in", action="store_true", help=shown)
     return parser.parse_args(argv)
 
 
@@ -373,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     inside_book = args.out.resolve() == BOOK_LABS.resolve() or BOOK_LABS.resolve() in args.out.resolve().parents
     from distlab.runtime import gpu_count
 
-    if inside_book and gpu_count() == 0:
+    if inside_book and gpu_count() == 0 and not args.cpu_stand_in:
         print(f"play_labs: no CUDA GPU here, and {BOOK_LABS.relative_to(ROOT)} holds GPU runs (the book shows "
-              "them as such): play into another folder", file=sys.stderr)  # fmt: skip
+              "them as such): play into another folder, or pass --cpu-stand-in", file=sys.stderr)  # fmt: skip
         return 2
     if args.data is not None and not args.data.is_dir():
         print(f"play_labs: --data {args.data} is not a folder", file=sys.stderr)
