@@ -281,7 +281,8 @@ def test_ranks_meet_at_a_store_their_launcher_holds_so_no_other_socket_can_take_
 
     import torch.distributed as dist
 
-    from distlab.jobs import hosted_rendezvous, run_ranks
+    from distlab.jobs import hosted_rendezvous
+    from distlab.testing import run_ranks
 
     with hosted_rendezvous() as rendezvous:
         port = int(rendezvous["MASTER_PORT"])

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
-from distlab.models import GPT, GPTConfig, build_model
+from distlab.models import GPT, GPTConfig, ToyWithFrozen, build_model
 from distlab.parallel import Zero2, Zero3, full_state_dict
 from distlab.parallel.base import MixedPrecision
 from distlab.parallel.mini_fsdp import ShardedParameters
-from distlab.testing import TOY_MODELS, ToyWithFrozen, ToyWithUnusedLayer, assert_same_state, run_ranks
+from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train
 
 SHARDED_MODELS = {**{name: spec[0] for name, spec in TOY_MODELS.items()}, "gpt-tiny": lambda: build_model("gpt-tiny")}
