@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab.testing import RankPool, write_tiny_mnist
+from distlab.data import write_tiny_mnist
+from distlab.testing import RankPool
 
 GPU_TIER = ("gpu", "gpu and quick")
 """The GPU tier's two sizes (tests/test_gpu.py): everything, and the quick selection."""

@@ -18,7 +18,8 @@ import torch
 
 from distlab.data import DataSpec
 from distlab.labs.launch import launcher_environment, run_job
-from distlab.testing import ATOL, assert_same_state, run_torchrun
+from distlab.models import ATOL
+from distlab.testing import assert_same_state, run_torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -166,7 +166,8 @@ def test_a5_every_rank_started_here_comes_from_one_server_with_one_preload_list(
 
 def test_a6_the_process_runner_is_named_for_what_it_is_apart_from_the_test_fixtures():
     """A6: testing.py held the production process runner, which labs.launch re-exported private names of. The
-    runner is distlab.jobs; testing keeps what tests use (tolerances, toy models, tiny MNIST, run_entry)."""
+    runner is distlab.jobs; testing keeps what only tests use (the rank pool, fresh ranks, run_entry, the toy models
+    only tests train), and no module of the library imports it (tests/test_layout.py)."""
     from distlab import testing
     from distlab.labs import launch
 

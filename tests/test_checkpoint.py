@@ -161,7 +161,7 @@ def test_a_checkpoint_from_two_ranks_loads_on_another_number(saved_on_two, tmp_p
     2. Resumed on N ranks it trains on to the weights of an uninterrupted N-rank run
        with the same global batch (24 samples a step, so the same samples in every
        step at any N). The two differ only in the rounding of the first 4 steps, whose
-       gradients were averaged over 2 ranks instead of N: within distlab.testing's
+       gradients were averaged over 2 ranks instead of N: within distlab.models'
        tolerance scaled by 10, for Adam's division by sqrt(v) amplifies rounding.
     On one rank the ddp checkpoint loads into the single strategy too (the same layout)."""
     root, _ = saved_on_two

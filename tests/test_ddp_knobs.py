@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from distlab.models import ATOL
 from distlab.results import read_result
-from distlab.testing import ATOL, run_entry, run_torchrun
+from distlab.testing import run_entry, run_torchrun
 
 
 @pytest.fixture(scope="module")

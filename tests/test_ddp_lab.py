@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.models import build_model
+from distlab.data import write_tiny_mnist
+from distlab.models import ATOL, build_model
 from distlab.results import read_result
-from distlab.testing import ATOL, assert_same_state, run_torchrun, write_tiny_mnist, written_file
+from distlab.testing import assert_same_state, run_torchrun, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "ddp_train.py"

@@ -18,7 +18,7 @@ from distlab.testing import CNN_PARAMETERS, assert_same_state, run_ranks
 from distlab.train import train
 
 # SGD keeps float reassociation (different reduction order across ranks)
-# at rounding level (distlab.testing.ATOL/RTOL); Adam's division by sqrt(v)
+# at rounding level (distlab.models.ATOL/RTOL); Adam's division by sqrt(v)
 # would amplify it in near-zero gradients.
 STEPS = 5
 
@@ -259,8 +259,8 @@ def test_clipping_by_the_global_norm_equals_the_large_batch(one_rank, two_ranks,
         assert_same_state(_state(rank, f"clipped_{strategy}"), _state(one_rank, "clipped_16"))
     # and the norm bit: the same run without clipping (trained here in one process, once for every strategy) ends
     # elsewhere
+    from distlab.models import ATOL, RTOL
     from distlab.runtime import distributed
-    from distlab.testing import ATOL, RTOL
 
     if "unclipped_16" not in one_rank:
         with distributed("cpu") as runtime:

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from distlab.data import write_tiny_mnist
 from distlab.models import build_model, count_parameters
 from distlab.predict.memory import expected_state_bytes, shard_unit_shapes
 from distlab.results import read_result
-from distlab.testing import run_torchrun, write_tiny_mnist, written_file
+from distlab.testing import run_torchrun, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "fsdp_train.py"

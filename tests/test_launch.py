@@ -281,7 +281,8 @@ def test_ranks_meet_at_a_store_their_launcher_holds_so_no_other_socket_can_take_
 
     import torch.distributed as dist
 
-    from distlab.jobs import hosted_rendezvous, run_ranks
+    from distlab.jobs import hosted_rendezvous
+    from distlab.testing import run_ranks
 
     with hosted_rendezvous() as rendezvous:
         port = int(rendezvous["MASTER_PORT"])
@@ -341,3 +342,61 @@ def test_ranks_may_take_longer_to_meet_than_a_collective_may_wait(tmp_path: Path
     (total0, _), (total1, waited) = ((tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1))
     assert total0 == total1 == "2.0"
     assert 1.0 < float(waited) < 10.0, waited
+
+
+def test_run_many_runs_at_most_at_once_calls_and_every_call_ends_before_a_failure_is_raised():
+    import threading
+
+    running, most, ended, lock = [0], [0], [], threading.Lock()
+
+    def job(key, fails=False):
+        def call():
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+                ended.append(key)
+            if fails:
+                raise ValueError(f"{key} failed")
+            return key * 2
+
+        return call
+
+    assert launch.run_many({k: job(k) for k in "abcde"}, at_once=2) == {k: k * 2 for k in "abcde"}
+    assert most[0] == 2, "two at a time, never more"
+    ended.clear()
+    with pytest.raises(ValueError, match="a failed"):
+        launch.run_many({"a": job("a", fails=True), "b": job("b"), "c": job("c")}, at_once=3)
+    assert sorted(ended) == ["a", "b", "c"], "no job left running behind the failure"
+
+
+def test_train_many_gives_each_run_the_common_flags_then_its_own_and_its_own_options(monkeypatch):
+    calls = {}
+    monkeypatch.setattr(launch, "train", lambda *args, **options: calls.setdefault(args[-1], (args, options)))
+    runs = {"one": ["--lr", "0", "--run-name", "one"], "two": launch.Run(["--run-name", "two"], nproc=1)}
+    records = launch.train_many(runs, "--lr", "0.05", at_once=2, out="here", echo=False)
+    assert records == calls and list(records) == ["one", "two"]
+    assert calls["one"] == (("--lr", "0.05", "--lr", "0", "--run-name", "one"), {"out": "here", "echo": False})
+    assert calls["two"] == (("--lr", "0.05", "--run-name", "two"), {"out": "here", "echo": False, "nproc": 1})
+
+
+def test_torchrun_many_runs_its_target_for_each_run(monkeypatch):
+    seen = []
+    monkeypatch.setattr(launch, "torchrun", lambda target, *args, **options: seen.append((target, args, options)))
+    launch.torchrun_many("distlab.train", {"a": ["--x"], "b": launch.Run(["--y"], launcher=("--max-restarts=1",))},
+                         "--common", echo=False)  # fmt: skip
+    assert sorted(seen) == [
+        ("distlab.train", ("--common", "--x"), {"echo": False}),
+        ("distlab.train", ("--common", "--y"), {"echo": False, "launcher": ("--max-restarts=1",)}),
+    ]
+
+
+def test_the_pages_run_their_jobs_side_by_side_through_launch_only():
+    """B12: how many jobs a page runs at once has one home (launch.run_many and its train/torchrun forms)."""
+    book = Path(__file__).resolve().parents[1] / "book"
+    own_pools = sorted(page.name for page in book.glob("*.md") if "ThreadPoolExecutor" in page.read_text())
+    assert not own_pools, (
+        f"pages with a thread pool of their own (use launch.train_many/torchrun_many/run_many): {own_pools}"
+    )

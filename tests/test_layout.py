@@ -107,6 +107,12 @@ def _imports(module: str) -> list[tuple[str, bool, bool]]:
                 for alias in child.names:
                     if alias.name == "distlab" or alias.name.startswith("distlab."):
                         found.append((alias.name, top, typing_only))
+            elif isinstance(child, ast.Assign) and any(getattr(t, "id", "") == "PRELOAD" for t in child.targets):
+                # a rank server's preload list (distlab.jobs.rank_context): the modules it names are imported
+                # for this module, in the ranks it starts, so they are held to its lines as a lazy import
+                for name in ast.literal_eval(child.value):
+                    if name == "distlab" or name.startswith("distlab."):
+                        found.append((name, False, typing_only))
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 visit(child, False, typing_only)
             elif isinstance(child, ast.If) and _is_type_checking(child):
@@ -200,21 +206,41 @@ def test_no_module_level_import_cycle():
         visit(module)
 
 
+def test_only_the_tests_import_their_harness():
+    """distlab.testing is the tests' harness (the rank pool, fresh ranks, toy models only tests train): no module
+    of the library, no page, lab or script imports it, a rank server's preload list included. What they share
+    with the tests lives in the library (tolerances and ToyWithFrozen in models, the tiny MNIST in data)."""
+    importers = sorted(
+        module
+        for module in MODULES
+        if module != "distlab.testing" and any(i == "distlab.testing" for i, _, _ in _imports(module))
+    )
+    root = PACKAGE.parents[1]
+    pages = [*root.glob("book/*.md"), *root.glob("notebooks/*.ipynb"), *root.glob("scripts/*.py")]
+    importers += sorted(
+        str(page.relative_to(root))
+        for page in pages
+        if re.search(r"\bdistlab\.testing\b|from distlab import testing\b", page.read_text())
+    )
+    assert not importers, f"the tests' harness imported outside the tests: {importers}"
+
+
 def test_a_small_top_level_and_small_files():
+    """At most MOST_AT_THE_TOP modules at the top, and no Python file over MOST_LINES lines in the library, the
+    scripts or the tests: a file that outgrows it is split by role, not packed to fit."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MOST_AT_THE_TOP, f"{len(top)} modules directly under src/distlab: {top}"
-    long = {
-        str(p.relative_to(PACKAGE)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MOST_LINES
-    }
-    assert not long, f"files over {MOST_LINES} lines: {long}"
+    root = PACKAGE.parents[1]
+    files = [*PACKAGE.rglob("*.py"), *(root / "scripts").rglob("*.py"), *(root / "tests").rglob("*.py")]
+    long = {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > MOST_LINES}
+    assert not long, f"files over {MOST_LINES} lines (split each by role): {long}"
 
 
 def test_the_checks_see_the_layout():
     # the guard reads what it means to guard: every package, a crossing it allows and one it refuses
     assert {"parallel", "bench", "demos", "plots", "predict"} <= {p.name for p in PACKAGES}
     assert ("distlab.runtime", True, False) in _imports("distlab.train")
+    assert ("distlab.train", False, False) in _imports("distlab.testing")  # its rank server's preload list
     assert "bench" not in _allowed("plots") and "parallel" not in _allowed("core") and "parallel" in _allowed("run")
     assert _unit("distlab.config") == "run" and _unit("distlab.runtime") == "core"
     assert _unit("distlab.exercises.solutions.zero") == "exercises.solutions"

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from distlab.config import TrainConfig
 from distlab.errors import DistlabError
-from distlab.models import GPT, GPTConfig, build_model
+from distlab.models import GPT, GPTConfig, ToyWithFrozen, build_model
 from distlab.parallel import Zero2, Zero3, full_state_dict
 from distlab.parallel.base import MixedPrecision
 from distlab.parallel.mini_fsdp import ShardedParameters
-from distlab.testing import TOY_MODELS, ToyWithFrozen, ToyWithUnusedLayer, assert_same_state, run_ranks
+from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train
 
 SHARDED_MODELS = {**{name: spec[0] for name, spec in TOY_MODELS.items()}, "gpt-tiny": lambda: build_model("gpt-tiny")}
@@ -42,9 +42,11 @@ def shard_sizes(runtime):
     return sizes
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_each_rank_stores_ceil_numel_over_n_of_every_unit(tmp_path, world_size):
-    ranks = run_ranks(shard_sizes, world_size, tmp_path)
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_each_rank_stores_ceil_numel_over_n_of_every_unit(request, tmp_path, world_size):
+    # 2 and 3 ranks (an even and an uneven split) on the session's pools; 4 proves the same arithmetic (slow)
+    pool = request.getfixturevalue(f"ranks{world_size}") if world_size in (2, 3) else None
+    ranks = pool.run(shard_sizes) if pool else run_ranks(shard_sizes, world_size, tmp_path)
     for (name, collectives), units in ranks[0].items():
         assert len(units) == UNITS[name], name
         assert sum(numel for numel, _, _ in units) == _trainable_numel(SHARDED_MODELS[name]()), name
@@ -181,8 +183,8 @@ def _gathered_as_the_first_block_starts(runtime) -> dict[int, list[bool]]:
 
 
 @pytest.fixture(scope="module")
-def through_a_step(tmp_path_factory):
-    return run_ranks(memory_through_a_step, 2, tmp_path_factory.mktemp("zero3-memory"))
+def through_a_step(ranks2):
+    return ranks2.run(memory_through_a_step)
 
 
 def test_an_inf_in_one_ranks_gradient_slice_skips_the_step_on_every_rank(through_a_step):
@@ -268,12 +270,12 @@ def train_every_variant(runtime):
     return results
 
 
-def test_the_loop_with_zero3_ends_with_ddps_weights_under_adam(tmp_path):
+def test_the_loop_with_zero3_ends_with_ddps_weights_under_adam(ranks2):
     # Adam divides by sqrt(v), so a rounding-level difference in a near-zero gradient can grow
     # to the size of a step: the library's float32 tolerance (ATOL/RTOL) is asked for all the same.
     # On 2 ranks ZeRO-3 is bit-identical to DDP (a two-term sum does not depend on its order,
     # and halving is exact); on 3 and 4 ranks it stayed within 5e-6.
-    ranks = run_ranks(train_every_variant, 2, tmp_path)
+    ranks = ranks2.run(train_every_variant)
     plain_keys = build_model("gpt-tiny").state_dict().keys()
     for rank, results in enumerate(ranks):
         ddp = results["ddp"]

@@ -20,13 +20,15 @@ import torch  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
 from distlab import plots  # noqa: E402
-from distlab.models import build_model  # noqa: E402
+from distlab.models import (
+    ToyWithFrozen,  # noqa: E402
+    build_model,  # noqa: E402
+)
 from distlab.parallel.mini_ddp import bucket_groups  # noqa: E402
 from distlab.plots.ring_animation import animation  # noqa: E402
 from distlab.predict.costmodel import collective_calls  # noqa: E402
 from distlab.predict.memory import shard_unit_shapes  # noqa: E402
 from distlab.predict.streams import Inputs  # noqa: E402
-from distlab.testing import ToyWithFrozen  # noqa: E402
 
 COLUMN_PX, MIN_PT, MAX_PANELS_A_ROW = 688, 9.0, 3
 MiB = 2**20

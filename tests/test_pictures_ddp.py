@@ -18,10 +18,9 @@ import torch.distributed as dist
 from distlab.data import shard_indices
 from distlab.exercises import run_on_ranks
 from distlab.exercises.solutions.ddp import average_gradients
-from distlab.models import build_model
+from distlab.models import ToyWithFrozen, build_model
 from distlab.parallel.mini_ddp import BucketedDDP, NaiveDDP, bucket_groups
 from distlab.plots import plot_bucket_schedule, plot_gradient_averaging, traced_all_reduces
-from distlab.testing import ToyWithFrozen
 
 CAP_MB = 0.5
 

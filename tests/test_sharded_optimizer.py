@@ -17,8 +17,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from distlab.demos import sharded_optimizer as demo
 from distlab.errors import DistlabError
+from distlab.models import ATOL, RTOL
 from distlab.parallel.sharded_optimizer import get_sharded_optimizer
-from distlab.testing import ATOL, RTOL, assert_same_state, run_ranks
+from distlab.testing import assert_same_state, run_ranks
 
 VOCAB, WIDTH, STEPS = 13, 6, 4
 ADAMW = dict(lr=0.02, betas=(0.9, 0.95))

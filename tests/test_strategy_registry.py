@@ -13,6 +13,8 @@ from distlab.config import ParallelConfig, TrainConfig
 from distlab.errors import DistlabError
 from distlab.parallel import STRATEGIES
 from distlab.parallel.checkpoint_state import FLAT, FLAT_OPTIMIZER, PER_PARAMETER
+from distlab.parallel.flat_param import resolve_collectives
+from distlab.predict.costmodel import collective_calls
 from distlab.predict.memory import STAGE, expected_state_bytes
 from distlab.predict.traffic import expected_bytes_per_step
 
@@ -66,3 +68,16 @@ def test_an_option_changes_what_a_strategy_is_predicted_by():
     assert STRATEGIES["zero3"].from_config(no_reshard).predicted_by == "zero3-no-reshard"
     assert STRATEGIES["fsdp"].from_config(no_reshard).predicted_by == "fsdp-no-reshard"
     assert STRATEGIES["fsdp"].from_config(ParallelConfig()).predicted_by == "fsdp"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_collectives_a_strategy_runs_are_those_its_prediction_costs(name, backend):
+    """The ring-or-torch rule has one home (distlab.comm.implementations): what resolve_collectives makes a
+    strategy run by default is what collective_calls costs for it, on gloo and on NCCL."""
+    strategy = STRATEGIES[name].from_config(ParallelConfig())
+    chosen = resolve_collectives(strategy.collectives, backend) if hasattr(strategy, "collectives") else "torch"
+    units = [[(7, 11), (7,)], [(5, 7), (5,)], []]  # two shard units and an empty root
+    predicted = collective_calls(strategy.predicted_by, units, 2, backend)
+    assert {impl for _, impl, _ in predicted} <= {chosen}, f"{name} on {backend} runs {chosen}: {predicted}"
+    assert predicted or strategy.predicted_by == "single"

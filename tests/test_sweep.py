@@ -263,3 +263,38 @@ def test_the_strategy_law_brings_every_h200_point_within_15_percent_and_its_rate
     for variant, rate in law.per_call_s.items():
         assert gpu_predictions.HOST_COSTS.per_call_s[variant] == pytest.approx(rate, rel=0.01)
         assert gpu_predictions.HOST_COSTS.per_value_s[variant] == pytest.approx(law.per_value_s[variant], rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "placed, sharing",
+    [
+        (dict(ranks=3, device="cuda", backend="gloo", gpus=2), 2),  # GPU 0 holds ranks 0 and 2
+        (dict(ranks=4, device="cuda", backend="gloo", gpus=1), 4),
+        (dict(ranks=2, device="cuda", backend="nccl", gpus=8), 1),
+        (dict(ranks=3, device="cpu", gpus=0), 3),  # the host's memory, shared by its ranks
+    ],
+)
+def test_the_sweep_counts_ranks_per_gpu_from_the_placement_not_the_machine(monkeypatch, placed, sharing):
+    """B10: the ranks that share a GPU come from the Placement the rank was started with. The machine is made to
+    answer otherwise (8 GPUs, 5 GB free on each): a rank that asked it again would judge the wrong share."""
+    from distlab.bench import sweep
+    from distlab.runtime import Runtime, place, rank_device
+
+    placement = place(**placed)
+    runtime = Runtime(0, 0, placement.ranks, rank_device(placement, 0), placement.backend, placement)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5_000_000_000, 80_000_000_000))
+    monkeypatch.setattr(sweep, "available_bytes", lambda: 7_000_000_000)
+    monkeypatch.setattr(Runtime, "reduce", lambda self, values, op="sum": values)  # one process plays every rank
+    free, shared = sweep.memory_free_on_every_rank(runtime)
+    assert (free, shared) == (5_000_000_000 if placement.device == "cuda" else 7_000_000_000, sharing)
+
+
+def _placement_of(runtime):
+    return runtime.placement
+
+
+def test_a_rank_knows_the_placement_it_was_started_with(ranks2):
+    from distlab.runtime import place
+
+    assert ranks2.run(_placement_of) == [place(2, "cpu", "gloo")] * 2

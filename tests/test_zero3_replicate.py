@@ -2,7 +2,7 @@
 per-parameter view of the shards (``named_shards()``), on 2 and 3 real gloo ranks.
 
 * Trained a few Adam steps, it ends with the weights of one process on the whole batch, within the float32
-  tolerance every ZeRO test uses (:data:`distlab.testing.ATOL`/``RTOL``): the review's Tiny model (an
+  tolerance every ZeRO test uses (:data:`distlab.models.ATOL`/``RTOL``): the review's Tiny model (an
   embedding and a head sharded around a LayerNorm kept whole) with either collectives, with accumulation
   and clipping, under bf16, and gpt-tiny with every LayerNorm kept whole, those inside its block units too.
 * The replicated parameters are whole on every rank, and the same on every rank after the steps.

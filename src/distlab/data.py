@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,6 +123,29 @@ def _fetch_or_explain(name: str, root: str, runtime: Runtime, download: bool) ->
             raise DistlabError(f"{where}: on Kaggle, turn Settings > Internet on (it needs a phone-verified account) "
                                "and run the cell again")  # fmt: skip
         raise DistlabError(f"{where}; put the files there (--data-dir), or train offline with --dataset synthetic")
+
+
+def _write_idx(path: Path, array: torch.Tensor) -> None:
+    """IDX as MNIST ships it: magic (ubyte, ndim), big-endian dims, raw bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
+    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
+
+
+def write_tiny_mnist(root: Path, train_size: int = 96, test_size: int = 40, seed: int = 0) -> Path:
+    """MNIST-format files under ``root`` (``root/MNIST/raw``) that torchvision's real MNIST class reads, for a
+    machine without network (the labs' offline stand-in, the tests): digits drawn as class-dependent bright bars
+    so a model can learn them."""
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for prefix, n in (("train", train_size), ("t10k", test_size)):
+        labels = torch.arange(n) % 10
+        images = torch.randint(0, 60, (n, 28, 28), generator=gen)
+        for i, label in enumerate(labels.tolist()):
+            images[i, 2 + 2 * label : 4 + 2 * label, 4:24] = 255
+        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return Path(root)
 
 
 def load_datasets(

@@ -2,9 +2,9 @@
 
 Two kinds of job. A torchrun job (a lab's or a chapter's launch, a benchmark, the GPU report) is a subprocess in
 a session of its own: :func:`run_job` runs it to the end or stops it whole, ranks included, and
-:func:`failure_reason` says in one line why it failed. Ranks started from this process (the grader's, the tests'
-:func:`run_ranks` and their pool, ``distlab.testing.RankPool``) are forked from one server process that imported
-torch once (:data:`PRELOAD`), and meet at a store this process hosts (:func:`hosted_rendezvous`);
+:func:`failure_reason` says in one line why it failed. Ranks started from this process (the grader's, and the
+tests' fresh ranks and rank pool in ``distlab.testing``) are forked from one server process that imported torch
+once (:func:`rank_context`), and meet at a store this process hosts (:func:`hosted_rendezvous`);
 :func:`become_rank` is how each of them starts.
 """
 
@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -282,19 +281,20 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch._dynamo",  # FSDP's first fully_shard imports it (seconds): the server imports it once for every rank
-    "distlab.train",
-    "distlab.testing",
-    "distlab.exercises.trial",
 ]
-"""What the one server imports before it forks a rank. One list for every caller: the server starts once per
-process, with the list set when it starts, so a second list would be silently ignored."""
+"""What the one server imports before it forks any rank: torch, the seconds every rank would spend. The distlab
+modules its ranks run are named by the caller, in the room that may import them (:func:`rank_context`)."""
 
 
-def rank_context():
-    """The multiprocessing context every rank started from this process comes from (see :data:`PRELOAD`)."""
+def rank_context(*modules: str):
+    """The multiprocessing context every rank started from this process comes from. Its one server imports
+    :data:`PRELOAD` and ``modules``, the distlab modules the caller's ranks run (the grader names its rank side,
+    the tests' harness ``distlab.train`` and itself). The server starts once per process, with the list of the
+    caller that starts it: a later caller's own modules are imported by each of its ranks after the fork, tens of
+    milliseconds once the library is loaded, never a different result."""
     context = mp.get_context(RANK_START_METHOD)
     if RANK_START_METHOD == "forkserver":
-        context.set_forkserver_preload(PRELOAD)  # read once, when the server starts
+        context.set_forkserver_preload([*PRELOAD, *modules])  # read once, when the server starts
     return context
 
 
@@ -331,31 +331,3 @@ def become_rank(rank: int, world_size: int, rendezvous: dict[str, str]) -> None:
     torch.set_num_threads(1)
     if RANK_START_METHOD == "forkserver":
         torch.seed()
-
-
-def _rank_entry(rank: int, world_size: int, rendezvous: dict[str, str], fn, args, out_dir: str) -> None:
-    become_rank(rank, world_size, rendezvous)
-    from .runtime import distributed
-
-    with distributed("cpu", timeout_s=120) as runtime:
-        value = fn(runtime, *args)  # what fn built (a DDP or FSDP model holds the group) is gone when it returns
-    torch.save(value, Path(out_dir) / f"rank{rank}.pt")
-
-
-def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
-    """Run ``fn(runtime, *args)`` on ``world_size`` fresh gloo ranks (a group of their own, ended when ``fn``
-    returns) and return each rank's return value, in rank order. Assert in the caller, not on the ranks: a
-    failure inside a rank surfaces only as an opaque spawn error. ``distlab.testing.RankPool`` runs many such
-    calls on ranks started once."""
-    Path(tmp_path).mkdir(parents=True, exist_ok=True)
-    out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
-    rank_context()  # sets the server's preload before mp.start_processes starts it
-    with hosted_rendezvous() as rendezvous:
-        mp.start_processes(
-            _rank_entry,
-            args=(world_size, rendezvous, fn, args, str(out_dir)),
-            nprocs=world_size,
-            join=True,
-            start_method=RANK_START_METHOD,
-        )
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

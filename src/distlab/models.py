@@ -246,6 +246,11 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+# float32 SGD over a few steps: only the order of additions differs between ranks and one process, which stays at
+# rounding level. The tolerance at which two runs trained the same weights (the demos, the pages and the tests).
+ATOL, RTOL = 1e-5, 1e-4
+
+
 def relative_update_error(state: dict, reference: dict, initial: dict) -> float:
     """How far ``state`` lies from ``reference``, as a fraction of the update ``reference`` made from ``initial``.
 
@@ -256,6 +261,25 @@ def relative_update_error(state: dict, reference: dict, initial: dict) -> float:
     error = sum(((state[k] - reference[k]) ** 2).sum() for k in reference) ** 0.5
     update = sum(((reference[k] - initial[k]) ** 2).sum() for k in reference) ** 0.5
     return float(error / update)
+
+
+class ToyWithFrozen(nn.Module):
+    """Two linear layers whose first bias is frozen: a wrapper must neither reduce nor step what does not train
+    (the DDP chapter's exercise and picture). No size divides by 2, 3 or 4."""
+
+    def __init__(self, in_features: int = 11, hidden: int = 7, classes: int = 5):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(in_features, hidden), nn.Linear(hidden, classes)
+        self.fc1.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def shard_units(self) -> list[nn.Module]:
+        return [self.fc1, self.fc2]
+
+    def init_module(self, module: nn.Module) -> None:
+        reset_module(module)
 
 
 # From this many parameters up, a parameter-sharding strategy builds the model

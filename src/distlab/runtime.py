@@ -51,6 +51,9 @@ class Runtime:
     backend: str
     """``nccl`` or ``gloo``: what carries the training's collectives (on CUDA with NCCL, the group also has a gloo
     leg for CPU tensors, :data:`CPU_LEG`)."""
+    placement: Placement | None = None
+    """The job's placement this rank was started with (:func:`distributed` sets it): what it shares with the
+    other ranks on its machine is read here, never from the machine again. None for a Runtime built by hand."""
 
     @property
     def is_main(self) -> bool:
@@ -288,7 +291,7 @@ def distributed(
         chosen = "nccl" if "nccl" in dist.get_backend() else "gloo"  # a group with a gloo leg names both
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    runtime = Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=target, backend=chosen)
+    runtime = Runtime(rank, local_rank, world_size, target, chosen, placement)
     failed = True
     try:
         yield runtime

@@ -1,7 +1,9 @@
-"""Helpers for tests and lab exercises: the tolerances the equivalence checks use, real gloo ranks on the CPU
-(started by :mod:`distlab.jobs`, the process runner: fresh ones for one call, or a :class:`RankPool` of them for
-many), torchrun as a subprocess, toy models every wrapper must train alike, and a tiny MNIST written to disk in the
-format torchvision reads.
+"""The tests' harness: real gloo ranks on the CPU (started the way :mod:`distlab.jobs` starts every rank: fresh
+ones for one call, :func:`run_ranks`, or a :class:`RankPool` of them for many), an entry point run in-process on a
+pool, torchrun as a subprocess, the toy models every wrapper must train alike, and what the tests compare with.
+Only tests import it (``tests/test_layout.py``): what the library, the demos and the pages share with the tests
+lives in the library (the tolerances and :class:`~distlab.models.ToyWithFrozen` in :mod:`distlab.models`, the
+tiny MNIST in :mod:`distlab.data`).
 
 Functions run on ranks must be importable (module-level), because they are pickled to the ranks.
 """
@@ -13,9 +15,9 @@ import io
 import json
 import os
 import random
-import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import ExitStack
@@ -24,22 +26,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 
 from .jobs import (
+    RANK_START_METHOD,
     become_rank,
     hosted_rendezvous,
     launcher_environment,
     rank_context,
     run_job,
-    run_ranks,  # noqa: F401 - the tests reach fresh ranks here, beside the pool
     torchrun_command,
 )
-from .models import MnistCNN, reset_module
+from .models import ATOL, RTOL, MnistCNN, ToyWithFrozen, reset_module
 
-# float32 SGD over a few steps: only the order of additions differs between
-# ranks and the single process, which stays at rounding level.
-ATOL, RTOL = 1e-5, 1e-4
 CNN_PARAMETERS = 405_898
 """Parameters of the reference notes' MNIST CNN (:class:`distlab.models.MnistCNN`)."""
 
@@ -47,6 +47,39 @@ CNN_PARAMETERS = 405_898
 def run_torchrun(nproc: int, target: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run a torchrun job to completion, one thread per rank, capturing its output."""
     return run_job(torchrun_command(nproc, target, *args), timeout=timeout, env=launcher_environment(1))
+
+
+PRELOAD = ("distlab.train", "distlab.testing")
+"""What the rank server imports for the tests' ranks, besides torch (:func:`distlab.jobs.rank_context`): the
+library a test's ranks train with, and this harness, whose functions every rank runs first."""
+
+
+def _rank_entry(rank: int, world_size: int, rendezvous: dict[str, str], fn, args, out_dir: str) -> None:
+    become_rank(rank, world_size, rendezvous)
+    from .runtime import distributed
+
+    with distributed("cpu", timeout_s=120) as runtime:
+        value = fn(runtime, *args)  # what fn built (a DDP or FSDP model holds the group) is gone when it returns
+    torch.save(value, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
+    """Run ``fn(runtime, *args)`` on ``world_size`` fresh gloo ranks (a group of their own, ended when ``fn``
+    returns) and return each rank's return value, in rank order. Assert in the caller, not on the ranks: a
+    failure inside a rank surfaces only as an opaque spawn error. :class:`RankPool` runs many such calls on
+    ranks started once."""
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    out_dir = Path(tempfile.mkdtemp(prefix=f"ranks-{fn.__name__}-{world_size}-", dir=tmp_path))
+    rank_context(*PRELOAD)  # sets the server's preload before mp.start_processes starts it
+    with hosted_rendezvous() as rendezvous:
+        mp.start_processes(
+            _rank_entry,
+            args=(world_size, rendezvous, fn, args, str(out_dir)),
+            nprocs=world_size,
+            join=True,
+            start_method=RANK_START_METHOD,
+        )
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 GROUP_GRACE_S = 60.0
@@ -172,7 +205,7 @@ class RankPool:
         self._store = ExitStack()  # the rendezvous store, held while the ranks live
 
     def _start(self) -> None:
-        context = rank_context()
+        context = rank_context(*PRELOAD)
         rendezvous = self._store.enter_context(hosted_rendezvous())
         for rank in range(self.world_size):
             mine, theirs = context.Pipe()
@@ -280,47 +313,6 @@ def assert_same_state(actual: dict, expected: dict, atol: float = ATOL, rtol: fl
         torch.testing.assert_close(
             actual[key], expected[key], atol=atol, rtol=rtol, msg=lambda m, key=key: f"{label} {key}: {m}"
         )
-
-
-def _write_idx(path: Path, array: torch.Tensor) -> None:
-    """IDX as MNIST ships it: magic (ubyte, ndim), big-endian dims, raw bytes."""
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
-    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
-
-
-def write_tiny_mnist(root: Path, train_size: int = 96, test_size: int = 40, seed: int = 0) -> Path:
-    """MNIST-format files torchvision's real MNIST class reads (no download):
-    digits drawn as class-dependent bright bars so a model can learn them."""
-    raw = Path(root) / "MNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-    for prefix, n in (("train", train_size), ("t10k", test_size)):
-        labels = torch.arange(n) % 10
-        images = torch.randint(0, 60, (n, 28, 28), generator=gen)
-        for i, label in enumerate(labels.tolist()):
-            images[i, 2 + 2 * label : 4 + 2 * label, 4:24] = 255
-        _write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
-        _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
-    return Path(root)
-
-
-class ToyWithFrozen(nn.Module):
-    """Two linear layers whose first bias is frozen: a wrapper must neither
-    reduce nor step what does not train. No size divides by 2, 3 or 4."""
-
-    def __init__(self, in_features: int = 11, hidden: int = 7, classes: int = 5):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(in_features, hidden), nn.Linear(hidden, classes)
-        self.fc1.bias.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
-
-    def shard_units(self) -> list[nn.Module]:
-        return [self.fc1, self.fc2]
-
-    def init_module(self, module: nn.Module) -> None:
-        reset_module(module)
 
 
 class ToyTied(nn.Module):

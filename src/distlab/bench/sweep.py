@@ -214,12 +214,19 @@ def memory_free_on_every_rank(runtime: Runtime) -> tuple[int | None, int]:
     memory of any rank's GPU (each rank its own), or the host's free memory (its ranks share it); None where it
     cannot be read. What fits selects the presets, and so the collectives every rank then calls: a rank that
     judged on its own memory could run another preset than its peers and wait for them forever."""
-    if runtime.device.type == "cuda":  # ranks beyond the GPU count share them (gloo): each GPU holds its share
-        mine, sharing = torch.cuda.mem_get_info(runtime.device)[0], -(-runtime.world_size // torch.cuda.device_count())
-    else:
-        mine, sharing = available_bytes(), runtime.world_size
+    mine = torch.cuda.mem_get_info(runtime.device)[0] if runtime.device.type == "cuda" else available_bytes()
     (smallest,) = runtime.reduce([math.inf if mine is None else mine], "min")
-    return (None if math.isinf(smallest) else int(smallest)), sharing
+    return (None if math.isinf(smallest) else int(smallest)), ranks_sharing_memory(runtime)
+
+
+def ranks_sharing_memory(runtime: Runtime) -> int:
+    """How many ranks fill the memory this rank fills: the most on one GPU where ranks beyond the GPU count share
+    them (gloo, rank r on GPU r mod gpus), else its machine's ranks, which share the host. Read from the placement
+    the rank was started with (CONTRIBUTING: a GPU path never asks the machine again)."""
+    placement = runtime.placement
+    if placement is None:
+        raise ValueError("the sweep needs a Runtime from distlab.runtime.distributed(), which knows its placement")
+    return -(-placement.ranks // placement.gpus) if placement.device == "cuda" else placement.ranks
 
 
 def presets_that_fit(

@@ -29,9 +29,9 @@ from ..bench.harness import round_robin, summarize_times
 from ..cli import BenchConfig, entry_point, finish_run, option
 from ..comm.traffic import TrafficCounter
 from ..errors import DistlabError, collective_site, run_main
+from ..models import ATOL, RTOL
 from ..parallel.replicated import TorchDDP
 from ..runtime import Runtime, distributed
-from ..testing import ATOL, RTOL
 
 
 def seeded(build, *args) -> nn.Module:

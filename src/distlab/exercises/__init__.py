@@ -7,7 +7,7 @@ drawn from. Each chapter has one module of exercises, their trials and the mista
 as the pages show them, are the sub-package ``solutions``.
 The library never imports this package.
 
-May import: runtime, errors, comm, parallel, predict, measure, models, data, jobs, testing.
+May import: runtime, errors, comm, parallel, predict, measure, models, data, jobs.
 """
 
 from .grader import Verdict, check, grade, solutions_pass

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from ..testing import ToyWithFrozen
+from ..models import ToyWithFrozen
 from .catalog import Exercise
 from .trial import Trial
 from .verdict import ranks_said

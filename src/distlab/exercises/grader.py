@@ -34,6 +34,9 @@ STARTUP_S = 180.0
 MEETING_S = 90.0
 """How long started ranks may take to join their group: well under :data:`STARTUP_S`, so that a rank that
 cannot join says why before the grader stops it."""
+PRELOAD = ("distlab.parallel", "distlab.exercises.trial")
+"""What the rank server imports for the grader's ranks, besides torch (:func:`distlab.jobs.rank_context`): the
+library the exercises compare with, and the rank side every rank starts in."""
 
 
 def check(name: str, fn, ranks: int | None = None, device: str = "auto", timeout_s: float = 20.0) -> None:
@@ -156,7 +159,7 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
     """Start the ranks; wait for them to start, then at most ``timeout_s`` (plus the group's own teardown);
     stop what is left. Returns each rank's report (None if it wrote none), its traced calls, whether any
     rank ended on its own without a report (rank -> exit code), and how the check ended (:class:`Ended`)."""
-    context = rank_context()
+    context = rank_context(*PRELOAD)
     with hosted_rendezvous() as rendezvous:  # held until every rank has ended
         processes = [
             context.Process(

@@ -14,8 +14,11 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from ..cli import flag_names, parse, parse_or_refuse
 from ..config import TrainConfig
@@ -34,9 +37,13 @@ from ..results import read_result
 from ..runtime import Placement, place
 
 __all__ = [
-    "JobOutput", "check_command_line", "entry_config", "failure_reason", "launcher_environment", "placement_args",
-    "run_job", "stop_job", "takes_placement", "torchrun", "torchrun_command", "train",
+    "JobOutput", "Run", "check_command_line", "entry_config", "failure_reason", "launcher_environment",
+    "placement_args", "run_job", "run_many", "stop_job", "takes_placement", "torchrun", "torchrun_command",
+    "torchrun_many", "train", "train_many",
 ]  # fmt: skip
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 @dataclass
@@ -184,3 +191,46 @@ def train(
         config=cfg,
     )
     return read_result(Path(out) / f"{run_name}.json")
+
+
+def run_many(calls: Mapping[K, Callable[[], T]], at_once: int = 2) -> dict[K, T]:
+    """Each call (no arguments), at most ``at_once`` at a time; their results by key, in the mapping's order.
+    The pages' policy for jobs they compare and never time: side by side they share the cores, so a timed job
+    runs alone. Every call ends before a failure is raised (the first, in the mapping's order), so no job is left
+    running behind a cell that failed."""
+    with ThreadPoolExecutor(max(1, at_once)) as pool:
+        started = {key: pool.submit(call) for key, call in calls.items()}
+    return {key: job.result() for key, job in started.items()}
+
+
+class Run:
+    """One job of :func:`train_many` or :func:`torchrun_many` that needs options of its own (``nproc=1``,
+    ``launcher=...``) besides its flags; a job that needs none is just its flags."""
+
+    def __init__(self, args: Sequence, **options):
+        self.args, self.options = tuple(str(a) for a in args), options
+
+
+def _each(start: Callable, runs: Mapping, common: tuple, options: dict, at_once: int) -> dict:
+    """``start(*common, *run's flags, **options and the run's own)`` for every run, through :func:`run_many`; a
+    run's own flags come last, so they override the common ones."""
+
+    def call(run):
+        run = run if isinstance(run, Run) else Run(run)
+        return lambda: start(*common, *run.args, **{**options, **run.options})
+
+    return run_many({key: call(run) for key, run in runs.items()}, at_once)
+
+
+def train_many(runs: Mapping[K, Sequence | Run], *common: str, at_once: int = 2, **options) -> dict[K, dict]:
+    """:func:`train` for each run, ``at_once`` at a time (:func:`run_many`): ``common`` flags, then the run's
+    own; ``options`` as :func:`train` takes them, for every run. Each run's result record, by key."""
+    return _each(train, runs, common, options, at_once)
+
+
+def torchrun_many(
+    target: str, runs: Mapping[K, Sequence | Run], *common: str, at_once: int = 2, **options
+) -> dict[K, JobOutput]:
+    """:func:`torchrun` of ``target`` for each run, ``at_once`` at a time (:func:`run_many`): ``common`` flags,
+    then the run's own; ``options`` as :func:`torchrun` takes them, for every run. Each job's output, by key."""
+    return _each(lambda *args, **kw: torchrun(target, *args, **kw), runs, common, options, at_once)

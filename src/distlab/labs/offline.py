@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..testing import write_tiny_mnist
+from ..data import write_tiny_mnist
 
 TRAIN_IMAGES, TEST_IMAGES = 2100, 512
 

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.collectives import ring_all_gather, ring_reduce_scatter
+from ..comm.implementations import default_implementation
 from ..errors import DistlabError
 from .base import MixedPrecision
 
@@ -226,14 +227,11 @@ COLLECTIVES = {"torch": TorchCollectives, "ring": RingCollectives}
 
 
 def resolve_collectives(name: str, backend: str) -> str:
-    """``"torch"``, ``"ring"``, or for ``"auto"`` the ring on gloo, whose reduce-scatter runs a whole
-    all-reduce underneath (so it costs what DDP's all-reduce does, and the all-gather comes on top), and
-    torch's elsewhere (NCCL's reduce-scatter is a real one)."""
+    """``"torch"``, ``"ring"``, or for ``"auto"`` the rule the cost model predicts with too
+    (:func:`distlab.comm.implementations.default_implementation`: the ring on gloo, torch's elsewhere)."""
     if name not in {"auto", *COLLECTIVES}:
         raise DistlabError(f"unknown collectives {name!r}: use auto, {' or '.join(COLLECTIVES)}")
-    if name == "auto":
-        return "ring" if backend == "gloo" else "torch"
-    return name
+    return default_implementation(backend) if name == "auto" else name
 
 
 def clip_sharded_grad_norm_(

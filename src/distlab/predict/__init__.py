@@ -5,5 +5,5 @@ memory (the cost model), the site's calculator, cited GPU and node data (a new G
 model on them, and CUDA's stream rules as an executable model. Every figure puts one of these next to a
 measurement (:mod:`distlab.measure`, :mod:`distlab.bench`).
 
-May import: models, results.
+May import: models, results, comm.
 """

@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..comm.implementations import default_implementation
 from ..models import GPT_PRESETS
 from .memory import BYTES_PER_VALUE, Shape, expected_gathered_bytes, expected_state_bytes, gradient_buckets
 
@@ -184,7 +185,8 @@ def collective_calls(
     same shapes in the order the model registers them (:func:`distlab.predict.memory.parameter_shapes`),
     which sets the buckets of DDP (torch's, with its default ``bucket_cap_mb``: a first bucket of 1 MiB,
     then 25 MiB) and of the course's ZeRO-1/2 (without it, the units' order). The course's ZeRO stages
-    use its ring on gloo and torch's collectives elsewhere. Each collective carries its own dtype:
+    run what their strategies run by default (:func:`distlab.comm.implementations.default_implementation`,
+    the rule's one home). Each collective carries its own dtype:
     ``reduce_bytes`` per gradient value (all-reduce, reduce-scatter), ``gather_bytes`` per parameter value
     (all-gather; by default the same)."""
     if n == 1:
@@ -194,14 +196,14 @@ def collective_calls(
     if variant == "ddp":
         return [("all_reduce", "torch", b) for b in _buckets(shapes, DDP_FIRST_BUCKET_BYTES, BUCKET_BYTES, r)]
     if variant in ("zero1", "zero2"):  # one reduce-scatter per bucket, then one all-gather per bucket
-        impl = "ring" if backend == "gloo" else "torch"
+        impl = default_implementation(backend)
         buckets = gradient_buckets(shapes)
         return [("reduce_scatter", impl, _flat_bytes(bucket, n, False, r)) for bucket in buckets] + [
             ("all_gather", impl, _flat_bytes(bucket, n, False, g)) for bucket in buckets
         ]
     if variant in ("zero3", "zero3-no-reshard", "fsdp", "fsdp-no-reshard"):
         fsdp = variant.startswith("fsdp")
-        impl = "torch" if fsdp or backend != "gloo" else "ring"
+        impl = "torch" if fsdp else default_implementation(backend)  # FSDP2 runs torch's on every backend
         gathers = 1 if variant.endswith("no-reshard") else 2
         calls = []
         for index, unit in enumerate(u for u in units if u):
