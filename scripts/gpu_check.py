@@ -38,7 +38,7 @@ REQUIREMENTS = ROOT / "tests" / "gpu-requirements.txt"
 SELECTIONS = {"quick": "gpu and quick", "full": "gpu"}
 STOP_S = {"quick": 600, "full": 3600}
 """When the tier is stopped. The quick selection's time on one GPU and on two is estimated test by test by
-``tests/test_gpu.py::quick_estimate_s``, and ``tests/test_gpu_audit.py`` holds both under 80 % of this stop."""
+``tests/gpu_quick_estimate.py``, and ``tests/test_gpu_paths_on_cpu.py`` holds both under 80 % of this stop."""
 
 
 def torchvision_for(torch_version: str) -> str:
@@ -103,8 +103,9 @@ def run_tier(out: Path, selection: str, timeout_s: float) -> tuple[int, str]:
     """pytest on the GPU tier, its output in tier.log; the exit status and one line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1", DISTLAB_GPU_CHECK_REPORT=str(out / "report"))  # fmt: skip
-    command = [sys.executable, "-m", "pytest", "-m", SELECTIONS[selection], "tests/test_gpu.py", "-rA",
-               "--durations=0", f"--junitxml={out / 'tier.xml'}", "-p", "no:cacheprovider"]  # fmt: skip
+    tier = ["tests/test_gpu.py", "tests/test_gpu_labs.py"]  # tests/conftest.py's GPU_FILES
+    command = [sys.executable, "-m", "pytest", "-m", SELECTIONS[selection], *tier,
+               "-rA", "--durations=0", f"--junitxml={out / 'tier.xml'}", "-p", "no:cacheprovider"]  # fmt: skip
     with open(out / "tier.log", "w") as log:
         log.write(f"$ {shlex.join(command)}\n")
         log.flush()

@@ -15,17 +15,19 @@ from distlab.data import write_tiny_mnist
 from distlab.testing import RankPool
 
 GPU_TIER = ("gpu", "gpu and quick")
-"""The GPU tier's two sizes (tests/test_gpu.py): everything, and the quick selection."""
+"""The GPU tier's two sizes (tests/test_gpu.py, tests/test_gpu_labs.py): everything, and the quick selection."""
+GPU_FILES = ("test_gpu.py", "test_gpu_labs.py")
+"""The files ``pytest -m gpu`` collects; scripts/gpu_check.py names the same."""
 OTHER_TIERS = ("slow", "stress", "kaggle")
 """The tiers CI runs beside the default one, in the order the end of a default run names them."""
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    """``pytest -m gpu`` (or ``-m "gpu and quick"``) collects tests/test_gpu.py alone: the other files import the
+    """``pytest -m gpu`` (or ``-m "gpu and quick"``) collects :data:`GPU_FILES` alone: the other files import the
     book's stack (Jupyter, Playwright, Accelerate), which a GPU image need not have (tests/gpu-requirements.txt
     lists what the tier needs)."""
     if config.getoption("markexpr") in GPU_TIER and collection_path.suffix == ".py":
-        return collection_path.name.startswith("test_") and collection_path.name != "test_gpu.py"
+        return collection_path.name.startswith("test_") and collection_path.name not in GPU_FILES
     return None
 
 

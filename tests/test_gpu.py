@@ -35,8 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import shutil
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
@@ -52,7 +50,6 @@ from distlab.errors import DistlabError
 from distlab.exercises import grade
 from distlab.exercises.catalog import all_exercises
 from distlab.exercises.grader import _placement
-from distlab.labs.offline import write_offline_mnist
 from distlab.parallel import STRATEGIES
 from distlab.results import read_result
 from distlab.runtime import Placement, gpu_count, place, rank_device, rank_placement
@@ -440,101 +437,6 @@ def test_fsdp2_on_a_two_dimensional_mesh_of_nccl_ranks(flags, tmp_path):
     assert math.isfinite(result["metrics"]["epochs"][0]["train_loss"])
 
 
-LABS = sorted((ROOT / "notebooks").glob("lab*.ipynb"))
-LAB_QUICK_STOP = {
-    "lab0_first_run": "--run-name lab0-single",
-    "lab_pinned_memory": "transfer_bench.py --sizes",
-    "lab_ddp_mnist": "-m distlab.bench.ddp_step",
-    "lab_ring_allreduce": "ring_bench.py --sizes",
-    "lab_fsdp": "fsdp_train.py --device",
-}
-"""The quick selection plays each lab up to the cell that launches what only that lab runs on the GPU (its own
-script or benchmark; lab 0 its first run), with the jobs of the cells before it left out."""
-QUICK_EDITS = (
-    ('"--epochs", "5"', '"--epochs", "1"'),  # one epoch of each run: the code path, not the lesson's curve
-    ("--sizes 4KB:1GB --out", "--sizes 4KB:64MB --loader-epochs 0 --out"),  # copies, without the DataLoader study
-    ('"4KB:256MB" if BACKEND', '"4KB:16MB" if BACKEND'),  # the ring on NCCL: the code path, at gloo's sizes
-)
-LAUNCH = re.compile(r"^\s*!.*(torch\.distributed\.run|\{TORCHRUN)")
-
-
-def quick_lab(notebook, stop: str):
-    """``notebook`` cut after the cell that holds ``stop``, each earlier torchrun job replaced by a successful
-    no-op (``_exit_code = 0``), the sizes made quick."""
-    cells = []
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            source = cell.source
-            for old, new in QUICK_EDITS:
-                source = source.replace(old, new)
-            if stop not in source:
-                source = "\n".join("_exit_code = 0" if LAUNCH.match(line) else line for line in source.splitlines())
-            cell.source = source
-        cells.append(cell)
-        if cell.cell_type == "code" and stop in cell.source:
-            notebook.cells = cells
-            return notebook
-    raise AssertionError(f"no cell holds {stop!r}")
-
-
-def play_lab(lab: Path, tmp_path: Path, monkeypatch, quick: bool):
-    nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
-    working = tmp_path / "working"
-    working.mkdir()
-    shutil.copy(lab, working / lab.name)
-    write_offline_mnist(working / "data")  # no network on a GPU image: MNIST's format, written here
-    notebook = nbformat.read(working / lab.name, as_version=4)
-    if quick:
-        notebook = quick_lab(notebook, LAB_QUICK_STOP[lab.stem])
-    # the kernel inherits the environment: it imports this checkout's distlab, as the maintainers run it
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    nbclient.NotebookClient(notebook, timeout=600, resources={"metadata": {"path": str(working)}}).execute()
-    first = next(cell for cell in notebook.cells if cell.cell_type == "code")
-    setup = "".join(output.get("text", "") for output in first.outputs)
-    assert "No CUDA GPU here" not in setup, setup
-    gpu_results = [json.loads(p.read_text()) for p in (working / "results").glob("*.json") if p.name != "hardware.json"]
-    devices = {r.get("environment", {}).get("device", "") for r in gpu_results}
-    assert gpu_results, "the lab wrote no result"
-    assert any(d.startswith("cuda") for d in devices), devices  # nothing on the CPU beside a GPU
-    step = working / "results" / "mnist-ddp-step.json"
-    if step.is_file():  # P14: the profiled DDP step draws its all-reduces, NCCL's kernels or gloo's CPU threads
-        lanes = {interval["lane"] for interval in json.loads(step.read_text())["metrics"]["timeline"]}
-        assert lanes == {"compute", "communication"}, lanes
-
-
-@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
-@pytest.mark.gpu
-@needs_gpu
-def test_every_lab_plays_top_to_bottom_on_the_gpus_present(lab, tmp_path, monkeypatch):
-    play_lab(lab, tmp_path, monkeypatch, quick=False)
-
-
-@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
-@pytest.mark.gpu
-@pytest.mark.quick
-@needs_gpu
-def test_every_lab_launches_its_own_job_on_the_gpus_present(lab, tmp_path, monkeypatch, request):
-    if any(item.originalname == "test_every_lab_plays_top_to_bottom_on_the_gpus_present" for item in
-           request.session.items):  # fmt: skip
-        pytest.skip("this run plays every lab top to bottom, which launches this job too")
-    play_lab(lab, tmp_path, monkeypatch, quick=True)
-
-
-@pytest.mark.parametrize("lab", LABS, ids=[lab.stem for lab in LABS])
-def test_every_labs_quick_play_stops_at_its_own_job_with_the_earlier_jobs_left_out(lab):
-    """The CPU twin of the quick lab test: each lab has the cell it stops at, no torchrun job before it, and the
-    quick sizes apply where the lab has them."""
-    nbformat = pytest.importorskip("nbformat")
-    notebook = quick_lab(nbformat.read(lab, as_version=4), LAB_QUICK_STOP[lab.stem])
-    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
-    assert LAB_QUICK_STOP[lab.stem] in code[-1]
-    assert not any(LAUNCH.match(line) for source in code[:-1] for line in source.splitlines())
-    original = lab.read_text()
-    for old, new in QUICK_EDITS:
-        if json.dumps(old)[1:-1] in original:
-            assert any(new in source for source in code), (old, new)
-
-
 EXERCISES = sorted(all_exercises())
 
 
@@ -562,93 +464,3 @@ def test_the_grader_passes_every_solution_on_cuda_ranks(name):
         pytest.skip(f"{name}: {err}")
     verdict = grade(name, exercise.solution_function(), device="cuda")
     assert verdict.passed and verdict.device == "cuda", verdict.message
-
-
-# How long the quick selection takes, on one GPU and on two: every quick test that runs there, each from what the
-# committed H200 run measured (tests/gpu-runs/2026-11-28-h200: one H200, 16 host cores, torch 2.11) and, for what
-# only two GPUs run, the named estimates below. Not a measurement of two GPUs: none has run the tier yet.
-H200_RUN = ROOT / "tests" / "gpu-runs" / "2026-11-28-h200"
-NCCL_START_S = 5.0
-"""What a job's NCCL communicator adds for two ranks on one node (its unique id, rings and channels; the gloo leg
-is made either way). An estimate: no two-GPU run yet."""
-SHORT_WORK_S = 5.0
-"""A two-rank report part's own measurement at quick sizes (three collectives to 64 MB, five times; a few DDP steps
-with SyncBatchNorm), beside its job's start. An estimate."""
-NO_WAIT_STEP_S = 3.0
-"""The no-wait check: ``distlab.train``'s run built in-process and four CNN steps on a warm GPU. An estimate (the
-metric sums alone, its earlier form, took 0.3 s on the H200)."""
-
-
-def h200_seconds() -> dict[str, float]:
-    """Each passed test's seconds in the H200 run (durations.txt), by its id in this file."""
-    rows = {}
-    for line in (H200_RUN / "durations.txt").read_text().splitlines():
-        seconds, _, outcome, name = line.split(maxsplit=3)
-        if outcome == "passed":
-            rows[name.split("::", 1)[1]] = float(seconds)
-    return rows
-
-
-def h200_part_seconds(part: str) -> float:
-    """A part of the H200 run's quick report, as the report timed it (its torchrun job, start to end)."""
-    report = json.loads((H200_RUN / "report" / "report.json").read_text())
-    return next(row["seconds"] for row in report["parts"] if row["name"] == part)
-
-
-def h200_pytest_start_s() -> float:
-    """pytest's start and collection in the H200 run: the tier's time (summary.txt) less its tests' (durations)."""
-    tier = re.search(r"^tier: \w+ in (\d+) s", (H200_RUN / "summary.txt").read_text(), re.M)
-    return float(tier.group(1)) - sum(h200_seconds().values())
-
-
-def h200_extra_seconds(test_id: str) -> float:
-    """A test the H200 lease ran beside the quick selection (extras.log, pytest's durations)."""
-    found = re.search(rf"([\d.]+)s call\s+tests/test_gpu.py::{re.escape(test_id)}$", (H200_RUN / "extras.log")
-                      .read_text(), re.M)  # fmt: skip
-    return float(found.group(1))
-
-
-def quick_estimate_s(gpus: int) -> dict[str, float]:
-    """Seconds of each quick test that runs on ``gpus`` GPUs (one or two), on a host like the H200's; the tests that
-    would skip are left out. On two GPUs a test measured on one gets what two GPUs add to it: an NCCL communicator
-    where its ranks become NCCL ranks, the report's two parts of two NCCL ranks (each a job's start, measured as the
-    H200 report's ``host`` part, plus its communicator and its own work), and the pinned lab's second GPU (the
-    report's ``copies`` part, less a job's start); a test only two GPUs run is estimated from the same job on two
-    gloo ranks sharing one GPU, or from two gradings of the measured one-rank one."""
-    seen, two = h200_seconds(), gpus >= 2
-    nccl = NCCL_START_S if two else 0.0
-    job_start = h200_part_seconds("host")
-    report = seen["test_the_gpu_report_runs_every_part_that_should_and_says_so"]
-    if two:  # collectives and batch-norm on 2 NCCL ranks; the sweep's and fsdp-options' ranks now NCCL ranks
-        report += 2 * (job_start + NCCL_START_S + SHORT_WORK_S) + 2 * NCCL_START_S
-    out = {
-        "test_the_gpu_report_runs_every_part_that_should_and_says_so": report,
-        "test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu": seen[
-            "test_the_sweeps_fsdp2_point_measures_each_variants_cuda_peak_alone_on_the_gpu"],
-        "test_a_training_step_never_waits_for_the_gpu": NO_WAIT_STEP_S,
-        "pytest's start and collection": h200_pytest_start_s(),
-    }  # fmt: skip
-    for lab in LABS:
-        test_id = f"test_every_lab_launches_its_own_job_on_the_gpus_present[{lab.stem}]"
-        extra = 0.0 if lab.stem == "lab0_first_run" else nccl  # lab 0's first run is one rank on either
-        if lab.stem == "lab_pinned_memory" and two:  # each GPU measured in turn
-            extra += h200_part_seconds("copies") - job_start
-        out[test_id] = seen[test_id] + extra
-    for case_id, where in quick_train(gpus):
-        if layout(where, gpus) is None:
-            continue
-        shared = f"test_train_on_the_gpu[{case_id}-two_gloo_ranks_share_one_GPU]"
-        test_id = f"test_train_on_the_gpu[{case_id}-{where.replace(' ', '_')}]"
-        out[test_id] = seen[test_id] if test_id in seen else seen[shared] + NCCL_START_S
-    one_rank_grading = seen["test_the_grader_passes_every_solution_on_cuda_ranks[h2d_copy_time]"]
-    for name in quick_exercises(gpus):  # two GPUs: graded on CUDA ranks, then checked again on three CPU ranks
-        out[f"test_the_grader_passes_every_solution_on_cuda_ranks[{name}]"] = (
-            one_rank_grading if not two else 2 * one_rank_grading + NCCL_START_S
-        )
-    script = h200_extra_seconds(
-        "test_the_fsdp_lab_script_trains_in_fp16_with_cpu_offload[two gloo ranks share one GPU]"
-    )
-    out[f"test_fsdp2_with_fused_adam_and_an_fp16_gradscaler_trains_on_the_gpu[{fused_adam_quick_layout(gpus)}]"] = (
-        script + nccl
-    )
-    return out
