@@ -3,15 +3,24 @@ traffic prediction gives for the trainable values, and its calculator cell answe
 
 from __future__ import annotations
 
+import io
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib
 import pytest
 
-from distlab.predict.calculator import GIB, Inputs, memory_per_rank
-from distlab.predict.traffic import expected_bytes_per_step, frozen_crossing
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from distlab import plots  # noqa: E402
+from distlab.predict.calculator import GIB, Inputs, memory_per_rank  # noqa: E402
+from distlab.predict.traffic import expected_bytes_per_step, frozen_crossing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "book" / "practice.md"
@@ -37,6 +46,26 @@ def test_the_frozen_base_program_counts_what_the_prediction_says(tmp_path):
         for r in (0, 1)
         for name, sent, calls in (("DDP", ddp, "1 all_reduce"), ("FSDP2", fsdp, "8 all_gather, 4 reduce_scatter"))
     ]
+    _check_picture(done.stdout, ddp, fsdp)
+
+
+def _check_picture(printed: str, ddp: float, fsdp: float) -> None:
+    """The page draws the run from the lines it printed: under each column the bytes a rank sends for it, adding up
+    to what it printed (DDP nothing for the frozen base), in the book's 688 px column with text of 9 pt or more."""
+    fig = plots.plot_frozen_base_run(printed)
+    labels = [t.get_text() for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    assert "frozen base\nsends 0 B\n(nothing: no gradient)" in labels
+    assert f"adapters\nsends {ddp:,.0f} B\n(all-reduce of the gradients)" in labels
+    frozen_gathers = 2 * (EVERY - TRAINABLE) * 4 / 2
+    assert f"frozen base\nsends {frozen_gathers:,.0f} B\n(2 all-gathers)" in labels
+    assert f"adapters\nsends {fsdp - frozen_gathers:,.0f} B\n(2 all-gathers + reduce-scatter)" in labels
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    width = struct.unpack(">I", buffer.getvalue()[16:20])[0]
+    assert width <= 688 and min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 9
+    with pytest.raises(ValueError, match="pass the output of the frozen_base.py run"):
+        plots.plot_frozen_base_run(printed.replace(f"sent {ddp:,.0f} B", "sent 1 B"))
+    plt.close("all")
 
 
 def test_fsdp_sends_more_over_every_frozen_base_in_one_dtype():
