@@ -224,8 +224,9 @@ class Inputs:
     ``memory_gib`` GiB each, the ``precision`` and ``optimizer``, the activations (``activations_gib``, or with
     ``transformer`` Korthikanti et al.'s count for ``shard_units`` layers) and the model cut into ``shard_units``
     units, equal or the first of ``largest_unit`` values (:func:`model_units`). ``precision`` is a key of
-    :data:`PRECISIONS`: it sets what is held and in which dtypes each collective sends. Refused in one line if any
-    is wrong (``shard_units`` against a model's size: :meth:`check`)."""
+    :data:`PRECISIONS`: it sets what is held and in which dtypes each collective sends. ``trainable_fraction`` is
+    the share of the values that train (1.0: all; below it a frozen base, whose values hold their weights only).
+    Refused in one line if any is wrong (``shard_units`` against a model's size: :meth:`check`)."""
 
     gpus: int
     memory_gib: float
