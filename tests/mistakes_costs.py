@@ -83,6 +83,30 @@ def sent_zero_as_all_reduce_and_gather(strategy, parameters, n, reduce_bytes, ga
     return share * parameters * (reduce_bytes + gathers * gather_bytes)
 
 
+# Over a frozen base (the practice chapter's exercise)
+
+
+def frozen_every_gradient_reduced(strategy, parameters, trainable, n, bytes_per_value):
+    share = (n - 1) / n
+    if strategy == "ddp":
+        return 2 * share * parameters * bytes_per_value
+    gathers = 2 if strategy == "fsdp" else 1
+    return share * (gathers + 1) * parameters * bytes_per_value
+
+
+def frozen_weights_not_gathered(strategy, parameters, trainable, n, bytes_per_value):
+    share = (n - 1) / n
+    gathers = {"ddp": 1, "fsdp": 2, "fsdp-no-reshard": 1}[strategy]
+    return share * (gathers + 1) * trainable * bytes_per_value  # only the adapters gathered
+
+
+def frozen_whole_tensor(strategy, parameters, trainable, n, bytes_per_value):
+    if strategy == "ddp":
+        return 2 * trainable * bytes_per_value
+    gathers = 2 if strategy == "fsdp" else 1
+    return (gathers * parameters + trainable) * bytes_per_value
+
+
 MISTAKES = [
     ("ring_collective_time", ring_time_reduce_scatter_only, "reduce_scatter_only", "all_reduce of 4 KiB on 2 ranks"),
     ("ring_collective_time", ring_time_whole_tensor_per_hop, "whole_tensor_per_hop", "got 13.448 us, expected 12.424"),
@@ -96,4 +120,7 @@ MISTAKES = [
     ("bytes_sent_per_step", sent_always_reducing_fp32, "reduced_in_fp32", "FSDP2's default with a 16-bit param_dtype"),
     ("ring_collective_time", ring_time_n_hops, "n_hops", "got 24.848 us, expected 12.424 us"),
     ("bytes_sent_per_step", sent_zero_as_all_reduce_and_gather, "zero_all_reduced", "(1.5 x the gradients' bytes)"),
+    ("frozen_base_bytes_sent", frozen_every_gradient_reduced, "frozen_gradients_reduced", "4,194,304 of"),
+    ("frozen_base_bytes_sent", frozen_weights_not_gathered, "frozen_weights_not_gathered", "fsdp, 4,194,304 of"),
+    ("frozen_base_bytes_sent", frozen_whole_tensor, "whole_tensor", "ddp, 4,194,304 of 6,738,415,616"),
 ]

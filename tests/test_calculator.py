@@ -108,6 +108,8 @@ LAYERS = [
 LARGEST_UNITS = [None, 131_072_000, 1, None, 7_000_000]
 """A model's largest layer, given a unit of its own or not: a 7B Llama's embedding, one value (smaller than every
 other unit), and one that is the largest only of small models."""
+TRAINABLE_FRACTIONS = [1.0, 0.01, 1 / 3, 0.125]
+"""Every parameter training, and frozen bases with adapters: 1 %, a third (whose products round), an eighth."""
 
 
 def _grid() -> list[dict]:
@@ -128,6 +130,7 @@ def _grid() -> list[dict]:
             "shard_units": units[index % 3],
             "transformer": LAYERS[index % len(LAYERS)],
             "largest_unit": LARGEST_UNITS[index % len(LARGEST_UNITS)],
+            "trainable_fraction": TRAINABLE_FRACTIONS[index % len(TRAINABLE_FRACTIONS)],
         }
         for index, (size, gpus, precision, optimizer) in enumerate(cases)
     ]
@@ -347,6 +350,8 @@ def test_the_precision_choices_say_whose_setup_they_are():
         ({"transformer": {"hidden": 8, "heads": 1, "seq_len": 1, "micro_batch": 1, "attention": "flash"}}, "attention"),
         ({"largest_unit": 0}, "largest_unit"),
         ({"largest_unit": 2.5}, "largest_unit"),
+        ({"trainable_fraction": 0}, "trainable_fraction"),
+        ({"trainable_fraction": 1.5}, "trainable_fraction"),
     ],
 )
 def test_bad_input_is_one_line_on_both_sides(bad, says):

@@ -23,7 +23,7 @@ from distlab.predict.calculator import (
 from distlab.predict.costmodel import predict_peak_bytes
 from distlab.predict.gpu_predictions import POLICIES
 from distlab.predict.memory import BYTES_PER_VALUE
-from distlab.predict.traffic import expected_bytes_per_step
+from distlab.predict.traffic import expected_bytes_per_step, frozen_crossing
 from test_calculator import UNIT, ZERO_BUCKET, P, _library, rows_for, run_calculator_js
 
 
@@ -240,3 +240,47 @@ def test_the_calculator_is_the_course_peak_model(precision, parameters, gpus, un
         assert row["total"] == peak["start_of_backward"] + kept_apart, label
     full_shard = rows["FSDP FULL_SHARD (ZeRO-3)"]
     assert full_shard["buckets"] > 0 and full_shard["buckets"] == full_shard["gathered"]  # one dtype: a unit each
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.25])
+def test_a_frozen_base_holds_its_weights_and_sends_its_trainable_gradients(fraction):
+    """Frozen values keep only their weights: gradients, optimizer state and DDP's bucket copy shrink to the trainable
+    fraction, the parameters do not. DDP all-reduces only the trainable gradients; FSDP still gathers every parameter
+    twice and reduce-scatters the fraction: :func:`distlab.predict.traffic.expected_bytes_per_step` with
+    ``trainable``, to the byte, and the page computes the same."""
+    p, n = 8_000_000, 4
+    whole = {row["strategy"]: row for row in rows_for(p, n, 80.0, "fp32", "adam", shard_units=8)}
+    inputs = {"parameters": p, "gpus": n, "memory_gib": 80.0, "precision": "fp32", "shard_units": 8}
+    frozen_rows = rows_for(**inputs, trainable_fraction=fraction)
+    frozen = {row["strategy"]: row for row in frozen_rows}
+    for label, row in frozen.items():
+        assert row["parameters"] == whole[label]["parameters"], label
+        assert row["gradients"] == int(whole[label]["gradients"] * fraction), label
+        assert row["optimizer_state"] == int(whole[label]["optimizer_state"] * fraction), label
+    trainable = int(p * fraction)
+    assert frozen["DDP, torch's default buckets"]["buckets"] == 4 * trainable
+    assert frozen["DDP, torch's default buckets"]["sent"] == expected_bytes_per_step("ddp", p, n, trainable=trainable)
+    assert frozen["FSDP FULL_SHARD (ZeRO-3)"]["sent"] == expected_bytes_per_step("fsdp", p, n, trainable=trainable)
+    assert frozen["FSDP SHARD_GRAD_OP"]["sent"] == expected_bytes_per_step("fsdp-no-reshard", p, n, trainable=trainable)
+    assert run_calculator_js([inputs | {"trainable_fraction": fraction}])["rows"][0] == frozen_rows
+
+
+@pytest.mark.parametrize(
+    "precision, crossing",
+    [("torch", 2 / 3), ("course", 1.0), ("fp32", 2.0), ("zero-paper", 2.0)],
+)
+def test_fsdp_sends_less_than_ddp_only_above_the_crossing(precision, crossing):
+    """DDP sends 2f values of its gradient dtype, FULL_SHARD 2 gathers in param_dtype and f in reduce_dtype:
+    equal at :func:`distlab.predict.traffic.frozen_crossing`. Under torch's defaults (16-bit gathers and reduce,
+    DDP's fp32 all-reduce) that is f = 2/3; in one dtype f = 2, so over any frozen base FSDP sends more."""
+    setup = PRECISIONS[precision]
+    ddp_bytes = BYTES_PER_VALUE["adam", setup.state][1]
+    assert frozen_crossing(2, setup.fsdp_gather, setup.fsdp_reduce, ddp_bytes) == pytest.approx(crossing)
+
+    def ratio(fraction):
+        rows = rows_for(8_000_000, 4, 80.0, precision, shard_units=8, trainable_fraction=fraction)
+        return rows[list(STRATEGIES).index("FSDP FULL_SHARD (ZeRO-3)")]["sent_vs_ddp"]
+
+    if crossing < 1:
+        assert ratio(crossing * 0.99) > 1 > ratio(min(1.0, crossing * 1.01))
+    assert ratio(0.01) > 25  # a 1 % adapter: FSDP sends tens of times DDP's bytes

@@ -91,6 +91,9 @@
     if (largest_unit != null && (!isWhole(largest_unit) || largest_unit < 1)) {
       throw new Error("the largest unit must be at least 1 parameter, a whole number, or none");
     }
+    if (!(inputs.trainable_fraction > 0 && inputs.trainable_fraction <= 1)) {
+      throw new Error("the trainable fraction must be above 0 and at most 1");
+    }
     if (transformer != null) {
       for (const name of TRANSFORMER_FIELDS) {
         if (!isWhole(transformer[name]) || transformer[name] < 1) {
@@ -121,7 +124,13 @@
    * optimizer_state, buckets, gathered, activations, total, fits, sent, sent_vs_ddp}, bytes on rank 0 at its
    * peak, the bytes it sends in one step, and those over DDP's. */
   function withDefaults(inputs) {
-    const defaults = { precision: DEFAULT_PRECISION, optimizer: "adam", activations_gib: 0, shard_units: 32 };
+    const defaults = {
+      precision: DEFAULT_PRECISION,
+      optimizer: "adam",
+      activations_gib: 0,
+      shard_units: 32,
+      trainable_fraction: 1,
+    };
     return { ...defaults, transformer: null, largest_unit: null, ...inputs };
   }
 
@@ -131,8 +140,14 @@
     return rowsFor(full);
   }
 
+  // distlab.predict.calculator._trainable: the bytes of `whole` that belong to the trainable fraction, rounded down.
+  function trainable(whole, fraction) {
+    return Math.floor(whole * fraction);
+  }
+
   function rowsFor(full) {
     const { parameters, gpus: n, memory_gib, optimizer, shard_units, largest_unit } = full;
+    const fraction = full.trainable_fraction; // a frozen base: only this fraction has gradients and optimizer state
     const precision = PRECISIONS[full.precision];
     const perValue = BYTES_PER_VALUE[`${optimizer},${precision.state}`];
     const stepBytes = STEP_COUNTER_BYTES[optimizer];
@@ -159,12 +174,12 @@
       if (stage === 0) {
         values = [parameters, parameters, parameters, 1];
         if (bucketCopy) buckets = parameters * perValue[1];
-        sent = 2 * (n - 1) * flatShard * perValue[1];
+        sent = trainable(2 * (n - 1) * flatShard * perValue[1], fraction);
       } else if (stage < 3) {
         // zero1 keeps its whole flat gradient, padding included; zero2 only its slice, and one bucket whole
         values = [flatShard * n, stage === 2 ? flatShard : flatShard * n, flatShard, 1];
         if (stage === 2) buckets = ceilDiv(Math.min(parameters, ZERO_BUCKET_VALUES), n) * n * perValue[1];
-        sent = (n - 1) * flatShard * (perValue[1] + perValue[0]);
+        sent = trainable((n - 1) * flatShard * (perValue[1] + perValue[0]), fraction);
       } else {
         values = [fsdpShard, fsdpShard, fsdpShard, shard_units];
         const gatherBytes = precision.fsdp_gather;
@@ -172,20 +187,22 @@
         // the largest unit's whole gradient before its reduce-scatter, and its source while cast to a wider dtype
         const castFrom = precision.fsdp_reduce !== gatherBytes ? gatherBytes : 0;
         buckets = largestGathered * (precision.fsdp_reduce + castFrom);
-        sent = (n - 1) * fsdpShard * (precision.fsdp_reduce + (keepsGathered ? 1 : 2) * gatherBytes);
+        // every parameter gathered, frozen ones too; only the trainable fraction's gradients reduce-scattered
+        const gathers = (n - 1) * fsdpShard * (keepsGathered ? 1 : 2) * gatherBytes;
+        sent = gathers + trainable((n - 1) * fsdpShard * precision.fsdp_reduce, fraction);
       }
       // DeepSpeed's fp32 gradient partition, one value per value stepped; under its ZeRO-3 the only gradient kept
       const sixteenBit = stage === 3 && !precision.zero3_16bit_gradients ? 0 : values[1] * perValue[1];
       const row = {
         strategy: label,
         parameters: values[0] * perValue[0],
-        gradients: values[2] * precision.fp32_gradients + sixteenBit,
-        optimizer_state: values[2] * perValue[2] + values[3] * stepBytes,
-        buckets,
+        gradients: trainable(values[2] * precision.fp32_gradients + sixteenBit, fraction),
+        optimizer_state: trainable(values[2] * perValue[2] + values[3] * stepBytes, fraction),
+        buckets: trainable(buckets, fraction),
         gathered,
         activations,
       };
-      row.total = row.parameters + row.gradients + row.optimizer_state + buckets + gathered + activations;
+      row.total = row.parameters + row.gradients + row.optimizer_state + row.buckets + gathered + activations;
       row.fits = row.total <= memory_gib * GIB;
       row.sent = sent;
       return row;
@@ -246,6 +263,7 @@
       optimizer: form.elements.optimizer.value,
       activations_gib: number("activations_gib"),
       shard_units: number("shard_units"),
+      trainable_fraction: number("trainable_fraction"),
       largest_unit: number("largest_millions") > 0 ? Math.round(number("largest_millions") * 1e6) : null,
       transformer: form.elements.activations_from.value === "formula" ? readTransformer(form, number) : null,
     };

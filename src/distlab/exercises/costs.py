@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..predict.costmodel import RING_FACTOR, RING_STEPS, CollectiveModel, collective_calls
 from ..predict.gpu_specs import SYSTEMS
+from ..predict.traffic import expected_bytes_per_step, sharded_values_sent
 from .catalog import Exercise
 from .trial import Trial, numbers_close, size_label
 
@@ -122,6 +123,46 @@ def bytes_sent_trial(t: Trial, fn) -> None:
     )
 
 
+FROZEN_STRATEGIES = ("ddp", "fsdp", "fsdp-no-reshard")
+FROZEN_MODELS = (
+    (6_738_415_616, 4_194_304, "Llama-2-7B, rank-8 adapters on q and v"),
+    (6_738_415_616, 67_384_156, "Llama-2-7B, 1 % trainable"),
+    (124_439_808, 811_008, "gpt-small, rank-8 adapters on every linear layer"),
+)
+"""(every parameter, the trainable ones, what they are): frozen bases with small adapters."""
+
+
+def _frozen_mistakes(strategy: str, p: int, t: int, n: int, b: int) -> list[tuple[str, float]]:
+    share, gathers = (n - 1) / n, {"fsdp": 2, "fsdp-no-reshard": 1}.get(strategy, 0)
+    every_gradient = expected_bytes_per_step(strategy, p, n, b)  # as if every parameter trained
+    wrong = [("frozen_gradients_reduced", every_gradient)]
+    if gathers:
+        wrong.append(("frozen_weights_not_gathered", share * sharded_values_sent(t, t, gathers) * b))
+    wrong.append(("whole_tensor", expected_bytes_per_step(strategy, p, n, b, trainable=t) / share))
+    return wrong
+
+
+def _check_frozen(t: Trial, fn, strategy: str, p: int, trainable: int, n: int, b: int) -> None:
+    expected = expected_bytes_per_step(strategy, p, n, b, trainable=trainable)
+    got = t.call(fn, strategy, p, trainable, n, b)
+    if numbers_close(got, expected):
+        return
+    mistake = next((k for k, v in _frozen_mistakes(strategy, p, trainable, n, b) if numbers_close(got, v)), None)
+    shown = f"{got / 2**20:,.6g} MiB" if isinstance(got, (int, float)) else repr(got)
+    what = f"{strategy}, {trainable:,} of {p:,} parameters trainable, {b}-byte values on {n} ranks"
+    t.fail("bytes sent", f"{what}: got {shown}, expected {expected / 2**20:,.6g} MiB", mistake)
+
+
+def frozen_bytes_trial(t: Trial, fn) -> None:
+    for p, trainable, model in FROZEN_MODELS:
+        for n in (2, 8):
+            with t.case(f"{model}, {n} ranks"):
+                for strategy in FROZEN_STRATEGIES:
+                    for b in (4, 2):
+                        _check_frozen(t, fn, strategy, p, trainable, n, b)
+    t.note("over a frozen base DDP sends a fraction f of its usual bytes, FULL_SHARD 2 + f passes over the model")
+
+
 EXERCISES = (
     Exercise(
         name="ring_collective_time",
@@ -175,6 +216,27 @@ EXERCISES = (
             "otherwise (the course's policy sets fp32), and DDP reduces in its gradients' dtype.",
             "wrong_dtype": "each collective carries its own dtype: the gradients (all-reduce, reduce-scatter) in "
             "reduce_bytes, the parameters (all-gather) in gather_bytes.",
+            "whole_tensor": "a ring sends (n-1)/n of the tensor from each rank per phase, not the whole of it.",
+        },
+    ),
+    Exercise(
+        name="frozen_base_bytes_sent",
+        page="practice",
+        task="Return the bytes one rank sends in one step of `strategy` ('ddp', 'fsdp' or 'fsdp-no-reshard') for a "
+        "model of `parameters` values of which only `trainable` have gradients (the rest a frozen base), on `n` "
+        "ranks by NCCL's ring, every value `bytes_per_value` bytes on the wire.",
+        signature="def frozen_base_bytes_sent(strategy: str, parameters: int, trainable: int, n: int, "
+        "bytes_per_value: int) -> float:",
+        solution="costs.frozen_base_bytes_sent",
+        library="distlab.predict.traffic.expected_bytes_per_step",
+        trial=frozen_bytes_trial,
+        ranks=1,
+        mistakes={
+            "frozen_gradients_reduced": "frozen parameters have no gradient, so nothing of theirs is reduced: DDP "
+            "all-reduces the trainable gradients only, 2(n-1)/n x trainable, and FSDP reduce-scatters only those.",
+            "frozen_weights_not_gathered": "FSDP shards the frozen weights too, and forward and backward compute "
+            "with them: every parameter is all-gathered (twice under FULL_SHARD, once under SHARD_GRAD_OP), only "
+            "the gradients are the trainable ones.",
             "whole_tensor": "a ring sends (n-1)/n of the tensor from each rank per phase, not the whole of it.",
         },
     ),

@@ -224,8 +224,9 @@ class Inputs:
     ``memory_gib`` GiB each, the ``precision`` and ``optimizer``, the activations (``activations_gib``, or with
     ``transformer`` Korthikanti et al.'s count for ``shard_units`` layers) and the model cut into ``shard_units``
     units, equal or the first of ``largest_unit`` values (:func:`model_units`). ``precision`` is a key of
-    :data:`PRECISIONS`: it sets what is held and in which dtypes each collective sends. Refused in one line if any
-    is wrong (``shard_units`` against a model's size: :meth:`check`)."""
+    :data:`PRECISIONS`: it sets what is held and in which dtypes each collective sends. ``trainable_fraction`` is
+    the share of the values that train (1.0: all; below it a frozen base, whose values hold their weights only).
+    Refused in one line if any is wrong (``shard_units`` against a model's size: :meth:`check`)."""
 
     gpus: int
     memory_gib: float
@@ -235,6 +236,7 @@ class Inputs:
     shard_units: int = DEFAULT_SHARD_UNITS
     transformer: Transformer | None = None
     largest_unit: int | None = None
+    trainable_fraction: float = 1.0
 
     def __post_init__(self):
         if not _whole(self.gpus) or self.gpus < 1:
@@ -251,6 +253,8 @@ class Inputs:
             raise ValueError(f"shard_units must be a whole number of at least 1, not {self.shard_units!r}")
         if self.largest_unit is not None and (not _whole(self.largest_unit) or self.largest_unit < 1):
             raise ValueError(f"largest_unit must be None or a whole number of at least 1, not {self.largest_unit!r}")
+        if not 0 < self.trainable_fraction <= 1:
+            raise ValueError(f"trainable_fraction must be above 0 and at most 1, not {self.trainable_fraction!r}")
         if self.transformer is not None:
             for name in ("hidden", "heads", "seq_len", "micro_batch"):
                 value = getattr(self.transformer, name)
@@ -281,22 +285,33 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bytes_sent(label: str, units: list[list[Shape]], gpus: int, gather_bytes: int, reduce_bytes: int) -> int:
+def bytes_sent(
+    label: str, units: list[list[Shape]], gpus: int, gather_bytes: int, reduce_bytes: int, trainable: float = 1.0
+) -> int:
     """Bytes one rank sends in one step under ``label`` in NCCL's ring, the model in ``units`` of one flat shape
     each (:func:`row_units`): one flat buffer (DDP, ZeRO-1/2, padded to a multiple of N) or FSDP's units, each
     padded: an all-reduce sends 2(N-1) shards, a reduce-scatter or an all-gather N-1, each of ``reduce_bytes``
     (gradients) or ``gather_bytes`` (parameters) a value. ZeRO-1/2 reduce-scatter the gradients and all-gather the
     updated parameters; FULL_SHARD gathers every unit twice (forward, backward), SHARD_GRAD_OP once. In one dtype
     these are :func:`distlab.predict.traffic.expected_bytes_per_step`'s 2Ψ(N-1)/N and 3Ψ(N-1)/N
-    (tests/test_calculator.py checks both)."""
+    (tests/test_calculator.py checks both).
+
+    Over a frozen base only the ``trainable`` fraction has gradients: DDP reduces, and ZeRO-1/2 reduce and gather
+    back, only those (:func:`_trainable`); FSDP still gathers every parameter and reduce-scatters the fraction."""
     n, strategy = gpus, STRATEGIES[label]
     shard = sum(_ceil(shape[0], n) for unit in units for shape in unit)
     if strategy == "ddp":
-        return 2 * (n - 1) * shard * reduce_bytes
+        return _trainable(2 * (n - 1) * shard * reduce_bytes, trainable)
     if strategy in ("zero1", "zero2"):
-        return (n - 1) * shard * (reduce_bytes + gather_bytes)
+        return _trainable((n - 1) * shard * (reduce_bytes + gather_bytes), trainable)
     gathers = 2 if strategy == "fsdp" else 1
-    return (n - 1) * shard * (reduce_bytes + gathers * gather_bytes)
+    return (n - 1) * shard * gathers * gather_bytes + _trainable((n - 1) * shard * reduce_bytes, trainable)
+
+
+def _trainable(whole: int, fraction: float) -> int:
+    """The bytes of ``whole`` that belong to the trainable ``fraction`` of the model, rounded down (the page's
+    JavaScript rounds the same float product the same way)."""
+    return int(whole * fraction)
 
 
 def row_units(label: str, parameters: int, inputs: Inputs) -> list[list[Shape]]:
@@ -336,13 +351,17 @@ def _row(label: str, parameters: int, inputs: Inputs) -> dict:
         buckets = largest * (precision.fsdp_reduce + cast_from)
     else:
         buckets = 0
+    fraction = inputs.trainable_fraction  # frozen values hold their weights only: no gradient, no optimizer state
+    state["gradients"] = _trainable(state["gradients"], fraction)
+    state["optimizer_state"] = _trainable(state["optimizer_state"], fraction)
+    buckets = _trainable(buckets, fraction)
     activations = inputs.activations
     total = state["parameters"] + state["gradients"] + state["optimizer_state"] + buckets + gathered + activations
     if fsdp:  # FSDP2: param_dtype on the gathers, reduce_dtype on the reduce-scatters
         gather_bytes, reduce_bytes = precision.fsdp_gather, precision.fsdp_reduce
     else:  # DDP and ZeRO-1/2 send what they hold: its gradients, and ZeRO its updated parameters
         gather_bytes, reduce_bytes = parameter_bytes, gradient_bytes
-    sent = bytes_sent(label, units, gpus, gather_bytes, reduce_bytes)
+    sent = bytes_sent(label, units, gpus, gather_bytes, reduce_bytes, fraction)
     return {"strategy": label, **state, "buckets": buckets, "gathered": gathered, "activations": activations} | {
         "total": total,
         "fits": total <= inputs.memory_gib * GIB,

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 
 def expected_bytes_per_step(
-    strategy: str, parameters: int, world_size: int, bytes_per_value: int = 4, gathered_once: int = 0
+    strategy: str,
+    parameters: int,
+    world_size: int,
+    bytes_per_value: int = 4,
+    gathered_once: int = 0,
+    trainable: int | None = None,
 ) -> float:
     """The derivation: bytes one rank sends in one optimizer step, for ``parameters`` (Ψ) values and
     ``strategy`` a model of :data:`distlab.predict.memory.STAGE`.
@@ -22,10 +27,40 @@ def expected_bytes_per_step(
     values are gathered once even under ZeRO-3: the root unit computes last in
     forward and first in backward, so it stays gathered in
     between (FSDP2 does the same). Ψ here includes the padding of the flat buffers.
+
+    A frozen base: only ``trainable`` of the Ψ values (all of them when None) have gradients. Only
+    those are reduced, and only those change, so ZeRO-1/2 gather back only those; but ZeRO-3 and FSDP
+    still gather every parameter, frozen or not, to compute with it: :func:`sharded_values_sent`.
     """
     volumes = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "zero3-no-reshard": 2, "fsdp": 3, "fsdp-no-reshard": 2}
     if strategy not in volumes:
         raise ValueError(f"no derivation for {strategy!r}: choose from {', '.join(volumes)}")
-    values = volumes[strategy] * parameters - (gathered_once if strategy in ("zero3", "fsdp") else 0)
+    trainable = parameters if trainable is None else trainable
+    if not 0 <= trainable <= parameters:
+        raise ValueError(f"trainable must be from 0 to parameters ({parameters}), not {trainable!r}")
+    if volumes[strategy] == 2 and not strategy.endswith("no-reshard"):
+        values = 2 * trainable  # DDP's all-reduce, or ZeRO-1/2's reduce-scatter and gather: the trainable values
+    else:
+        gathers = volumes[strategy] - 1
+        values = sharded_values_sent(parameters, trainable, gathers)
+        values -= gathered_once if strategy in ("zero3", "fsdp") else 0
     n = world_size
     return values * bytes_per_value * (n - 1) / n
+
+
+def sharded_values_sent(parameters: int, trainable: int, gathers: int = 2) -> int:
+    """Values ZeRO-3 / FSDP put on the wire per step before the ring's (n-1)/n: every parameter gathered
+    ``gathers`` times (forward and backward; once without resharding), frozen ones too, and the
+    ``trainable`` gradients reduce-scattered."""
+    return gathers * parameters + trainable
+
+
+def frozen_crossing(gathers: int = 2, gather_bytes: int = 4, reduce_bytes: int = 4, ddp_bytes: int = 4) -> float:
+    """The trainable fraction f at which FSDP sends what DDP sends, per value of the model: DDP all-reduces
+    ``2f`` values of ``ddp_bytes``, FSDP gathers every value ``gathers`` times in ``gather_bytes`` and
+    reduce-scatters ``f`` in ``reduce_bytes``. Equal where f = gathers·gather_bytes / (2·ddp_bytes -
+    reduce_bytes); below it FSDP sends more. In one dtype that is f = gathers (2 for FULL_SHARD): above every
+    fraction a model can have, so over a frozen base FSDP always sends more. ``inf`` where DDP never sends
+    more."""
+    wider = 2 * ddp_bytes - reduce_bytes
+    return gathers * gather_bytes / wider if wider > 0 else float("inf")

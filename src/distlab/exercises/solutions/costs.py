@@ -19,3 +19,11 @@ def bytes_sent_per_step(strategy: str, parameters: int, n: int, reduce_bytes: in
     gathers = 2 if strategy == "fsdp" else 1  # FULL_SHARD gathers again in backward
     # zero1, zero2, fsdp, fsdp-no-reshard: reduce-scatter the gradients, all-gather the parameters
     return share * parameters * (reduce_bytes + gathers * gather_bytes)
+
+
+def frozen_base_bytes_sent(strategy: str, parameters: int, trainable: int, n: int, bytes_per_value: int) -> float:
+    share = (n - 1) / n  # what a ring sends from each rank, per byte of the whole tensor, per phase
+    if strategy == "ddp":  # frozen parameters have no gradient: only the trainable ones are all-reduced
+        return 2 * share * trainable * bytes_per_value
+    gathers = 2 if strategy == "fsdp" else 1  # every parameter, frozen too, is gathered to compute with
+    return share * (gathers * parameters + trainable) * bytes_per_value
