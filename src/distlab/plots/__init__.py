@@ -22,6 +22,16 @@ from .collectives import (
 from .common import jshtml, run_label
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
+from .labs import (
+    FOOTPRINT_COLORS,
+    number_range,
+    peak_allocated_gib,
+    plot_fsdp_step_options,
+    plot_predicted_footprint,
+    plot_state_against_prediction,
+    plot_tokens_per_s,
+    warm_step_ms,
+)
 from .memory import (
     MEMORY_COLORS,
     ddp_or_fsdp_records,
@@ -46,7 +56,20 @@ from .streams import (
     stream_legend,
 )
 from .sweep import SWEEP_COLORS, plot_compute_vs_allreduce, plot_gpu_predictions, plot_model_against_sweep, plot_sweep
-from .training import plot_loss_curves, plot_throughput
+from .training import (
+    LAB_FIGURE_INCHES,
+    SAME_TRAINING,
+    global_batch,
+    largest_step_loss_difference,
+    plot_loss_curves,
+    plot_throughput,
+    plot_training_runs,
+    same_training,
+    step_losses,
+    throughput,
+    throughput_speedup,
+    training_label,
+)
 from .transfer import (
     plot_copy_bandwidth,
     plot_measured_vs_predicted_bandwidth,
@@ -100,6 +123,24 @@ __all__ = [
     "plot_compute_vs_allreduce",
     "plot_loss_curves",
     "plot_throughput",
+    "plot_training_runs",
+    "LAB_FIGURE_INCHES",
+    "throughput",
+    "throughput_speedup",
+    "step_losses",
+    "largest_step_loss_difference",
+    "training_label",
+    "SAME_TRAINING",
+    "global_batch",
+    "same_training",
+    "FOOTPRINT_COLORS",
+    "number_range",
+    "peak_allocated_gib",
+    "warm_step_ms",
+    "plot_state_against_prediction",
+    "plot_predicted_footprint",
+    "plot_tokens_per_s",
+    "plot_fsdp_step_options",
     "plot_copy_bandwidth",
     "plot_overlap_timeline",
     "plot_measured_vs_predicted_bandwidth",

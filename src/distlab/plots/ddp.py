@@ -14,7 +14,8 @@ from .ring_animation import plot_holdings
 
 
 def plot_step_times(record: dict, ax=None):
-    """Median forward+backward time per variant (bars) with quartiles, from a ddp_step_bench result."""
+    """Median forward+backward time per variant (bars) with its quartiles over the steps (whiskers, so labelled in
+    the legend), from a ddp_step_bench result."""
     ax = ax or plt.subplots(figsize=(7, 3.6))[1]
     rows = record["metrics"]["variants"]
     names = [r["variant"] for r in rows]
@@ -34,6 +35,8 @@ def plot_step_times(record: dict, ax=None):
         for n in names
     ]
     bars = ax.barh(names, medians, xerr=spread, color=colors, capsize=3)
+    ax.errorbar([], [], xerr=[], fmt="none", ecolor="black", capsize=3, label="quartiles over the steps")
+    ax.legend(fontsize=8, loc="lower right")
     ax.bar_label(bars, labels=[f"{m:.1f} ms" for m in medians], padding=8, fontsize=8)
     ax.set_xlim(0, max(medians) * 1.3)
     ax.invert_yaxis()
