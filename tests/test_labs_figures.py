@@ -83,7 +83,7 @@ def assert_readable_at_notebook_width(fig, name):
 def _training_runs():
     single = train_record(samples_per_s=1030)
     ddp = train_record("ddp", 2, samples_per_s=1270, losses=(2.3, 1.8))
-    return plots.plot_training_runs([single, ddp, script_record()], single=single)
+    return plots.plot_training_runs([single, ddp, script_record(), train_record(batch=128)], single=single)
 
 
 def _state_against_prediction():
@@ -127,9 +127,10 @@ FIGURES = {
 
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_each_lab_figure_is_readable_at_notebook_width(name):
-    fig = FIGURES[name]()
+    figures = FIGURES[name]()
     try:
-        assert_readable_at_notebook_width(fig, name)
+        for fig in figures if isinstance(figures, tuple) else (figures,):
+            assert_readable_at_notebook_width(fig, name)
     finally:
         plt.close("all")
 
@@ -180,6 +181,7 @@ def test_a_single_run_at_ddps_global_batch_is_the_same_training_and_its_loss_gap
 def test_legends_say_the_batch_is_per_rank():
     """L13: "batch 64" read as the global batch; it is per rank."""
     assert "batch 64/rank" in plots.training_label(train_record("ddp", 2))
+    assert "batch 128/rank" in plots.training_label(train_record(batch=128))  # the default batch is said too
     assert plots.training_label(script_record()) == "fsdp (2 ranks, batch 16/rank, fsdp_train.py)"
 
 

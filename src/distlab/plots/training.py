@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from .common import _hardware_title, run_label
+from ..config import TrainConfig
+from .common import _hardware_title
 
 LAB_FIGURE_INCHES = 7.8
 """The widest a lab's figure is drawn: a notebook at a 900 px window shows about 790 px, at 100 dpi."""
@@ -32,13 +33,19 @@ def step_losses(record: dict) -> list[float]:
     return [loss for epoch in record["metrics"]["epochs"] for loss in epoch["step_loss"]]
 
 
-def largest_step_loss_difference(record: dict, other: dict) -> tuple[int, float]:
-    """How many steps the two runs took, and the largest relative difference of their training losses step by step;
-    a ValueError if they took different numbers of steps (then they did not train the same way)."""
+def step_loss_differences(record: dict, other: dict) -> list[float]:
+    """The relative difference of the two runs' training losses at every step; a ValueError if they took different
+    numbers of steps (then they did not train the same way)."""
     mine, theirs = step_losses(record), step_losses(other)
     if len(mine) != len(theirs) or not mine:
         raise ValueError(f"the runs took {len(mine)} and {len(theirs)} steps: they are not the same training")
-    return len(mine), max(abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True))
+    return [abs(a - b) / abs(b) for a, b in zip(mine, theirs, strict=True)]
+
+
+def largest_step_loss_difference(record: dict, other: dict) -> tuple[int, float]:
+    """How many steps the two runs took, and the largest of their :func:`step_loss_differences`."""
+    differences = step_loss_differences(record, other)
+    return len(differences), max(differences)
 
 
 SAME_TRAINING = {
@@ -65,16 +72,19 @@ def same_training(record: dict, other: dict) -> bool:
 
 
 def training_label(record: dict) -> str:
-    """A run as a legend entry, its batch said per rank (``--batch-size`` is per rank); a plain-torch script's run
-    (``fsdp_train.py``, ``ddp_train.py``) by its wrapper, ranks, batch and script."""
+    """A run as a legend entry: strategy, ranks, loader, its batch said per rank (``--batch-size`` is per rank) and
+    a precision other than the default; a plain-torch script's run (``fsdp_train.py``, ``ddp_train.py``) by its
+    wrapper, ranks, batch and script."""
     config, ranks = record["config"], record["environment"]["world_size"]
+    ranks_said = f"{ranks} rank{'s' if ranks > 1 else ''}"
     if "parallel" not in config:  # a script's record: its config is its command line's flags
         script = record.get("kind", "script").replace("_train", "_train.py")
         wrap = config.get("wrap", script.split("_")[0])
-        return f"{wrap} ({ranks} rank{'s' if ranks > 1 else ''}, batch {config['batch_size']}/rank, {script})"
-    label = run_label(record)
-    batch = f"batch {config['training']['batch_size']}"
-    return label.replace(batch, f"{batch}/rank")
+        return f"{wrap} ({ranks_said}, batch {config['batch_size']}/rank, {script})"
+    extras = [config["data"]["loader"], f"batch {config['training']['batch_size']}/rank"]
+    if config["precision"]["dtype"] != TrainConfig().precision.dtype:
+        extras.append(config["precision"]["dtype"])
+    return f"{config['parallel']['strategy']} ({ranks_said}, {', '.join(extras)})"
 
 
 def _log_axis_with_labels(ax) -> None:
@@ -127,12 +137,15 @@ def plot_throughput(records: Sequence[dict], ax=None, single: dict | None = None
 
 
 def plot_training_runs(records: Sequence[dict], single: dict | None = None, loss_records: Sequence[dict] | None = None):
-    """A lab's comparison of its runs, at notebook width: throughput (with the speed-up over ``single``) above, the
-    training loss of ``loss_records`` (by default every run) below. Returns the figure."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(LAB_FIGURE_INCHES, 3.2 + 0.35 * len(records)),
-                                      height_ratios=[0.35 * len(records) + 0.8, 3])  # fmt: skip
-    plot_throughput(records, ax=top, single=single)
-    plot_loss_curves(loss_records or records, ax=bottom)
-    bottom.set_title("")  # the throughput above names the hardware once
-    fig.tight_layout()
-    return fig
+    """A lab's comparison of its runs, at notebook width, as two figures: the throughput (with the speed-up over
+    ``single``), then the training loss of ``loss_records`` (by default every run), its legend below the curves.
+    Returns the two figures."""
+    bars = plt.subplots(figsize=(LAB_FIGURE_INCHES, 0.8 + 0.4 * len(records)))[1]
+    plot_throughput(records, ax=bars, single=single)
+    bars.figure.tight_layout()
+    loss_records = loss_records or records
+    curves = plt.subplots(figsize=(LAB_FIGURE_INCHES, 3.0 + 0.25 * len(loss_records)))[1]
+    plot_loss_curves(loss_records, ax=curves)
+    curves.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1, frameon=False)
+    curves.figure.tight_layout()
+    return bars.figure, curves.figure
