@@ -22,16 +22,6 @@ from .collectives import (
 from .common import jshtml, run_label
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
-from .labs import (
-    FOOTPRINT_COLORS,
-    number_range,
-    peak_allocated_gib,
-    plot_fsdp_step_options,
-    plot_predicted_footprint,
-    plot_state_against_prediction,
-    plot_tokens_per_s,
-    warm_step_ms,
-)
 from .memory import (
     MEMORY_COLORS,
     ddp_or_fsdp_records,
@@ -57,12 +47,19 @@ from .streams import (
 )
 from .sweep import SWEEP_COLORS, plot_compute_vs_allreduce, plot_gpu_predictions, plot_model_against_sweep, plot_sweep
 from .training import (
+    FOOTPRINT_COLORS,
     LAB_FIGURE_INCHES,
     SAME_TRAINING,
     global_batch,
     largest_step_loss_difference,
+    number_range,
+    peak_allocated_gib,
+    plot_fsdp_step_options,
     plot_loss_curves,
+    plot_predicted_footprint,
+    plot_state_against_prediction,
     plot_throughput,
+    plot_tokens_per_s,
     plot_training_runs,
     same_training,
     step_loss_differences,
@@ -70,6 +67,7 @@ from .training import (
     throughput,
     throughput_speedup,
     training_label,
+    warm_step_ms,
 )
 from .transfer import (
     plot_copy_bandwidth,
