@@ -7,7 +7,9 @@ as the book checks a contribution, and the cell says how to contribute it.
 
 from __future__ import annotations
 
+import fnmatch
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..results import read_result
@@ -19,11 +21,28 @@ CONTRIBUTE = (
 )
 
 
-def report_from_results(results: str | Path, lab: str, out: str | Path = "gpu-reports", contributor: str = ""):
+def lab_result_files(results: str | Path, names: Sequence[str] | None = None) -> list[Path]:
+    """The ``*.json`` files in ``results`` whose names (without ``.json``) match one of the glob patterns ``names``
+    (every one when ``names`` is None): a lab names its own runs, so the labs may share one ``results/``."""
+    paths = sorted(Path(results).glob("*.json"))
+    if names is None:
+        return paths
+    return [path for path in paths if any(fnmatch.fnmatchcase(path.stem, pattern) for pattern in names)]
+
+
+def report_from_results(
+    results: str | Path,
+    lab: str,
+    out: str | Path = "gpu-reports",
+    contributor: str = "",
+    names: Sequence[str] | None = None,
+):
     """The distlab result files in ``results`` (others are left out) as one report folder under ``out``;
-    its path, or None (with one line saying why) when there is nothing to report or it fails the check."""
+    its path, or None (with one line saying why) when there is nothing to report or it fails the check. With
+    ``names`` (glob patterns of the run names ``lab`` wrote), only those: another lab's files in the same folder
+    stay out of this lab's report."""
     files, world_sizes = [], []
-    for path in sorted(Path(results).glob("*.json")):
+    for path in lab_result_files(results, names):
         try:
             record = read_result(path)
         except (OSError, ValueError):  # not a result file: the hardware facts, a checkpoint's meta

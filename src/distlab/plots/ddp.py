@@ -14,7 +14,8 @@ from .ring_animation import plot_holdings
 
 
 def plot_step_times(record: dict, ax=None):
-    """Median forward+backward time per variant (bars) with quartiles, from a ddp_step_bench result."""
+    """Median forward+backward time per variant (bars) with its quartiles over the steps (whiskers, so labelled in
+    the legend), from a ddp_step_bench result."""
     ax = ax or plt.subplots(figsize=(7, 3.6))[1]
     rows = record["metrics"]["variants"]
     names = [r["variant"] for r in rows]
@@ -34,8 +35,10 @@ def plot_step_times(record: dict, ax=None):
         for n in names
     ]
     bars = ax.barh(names, medians, xerr=spread, color=colors, capsize=3)
+    ax.errorbar([], [], xerr=[], fmt="none", ecolor="black", capsize=3, label="quartiles over the steps")
+    ax.legend(fontsize=8, loc="best")
     ax.bar_label(bars, labels=[f"{m:.1f} ms" for m in medians], padding=8, fontsize=8)
-    ax.set_xlim(0, max(medians) * 1.3)
+    ax.set_xlim(0, max(max(medians) * 1.3, 1.15 * max(1e3 * r["time_q3_s"] for r in rows)))  # whiskers whole
     ax.invert_yaxis()
     env = record["environment"]
     ax.set(
