@@ -93,5 +93,5 @@ def test_a_bare_lab_on_kaggles_t4_pair_installs_from_the_wheel_and_sets_up_its_g
     assert "GPUs 0 and 1 have no peer access" in setup_output
     record = json.loads((working / "results" / "hardware.json").read_text())
     assert record["gpus"] == ["Tesla T4"] * 2 and record["nccl_env"]["NCCL_P2P_DISABLE"] == "1"
-    assert sorted(p.name for p in working.iterdir()) == ["first_run.py", "results"]  # no wheel, no MNIST here
+    assert sorted(p.name for p in working.iterdir()) == ["ddp_minimal.py", "results"]  # no wheel, no MNIST here
     subprocess.run(["chmod", "-R", "u+w", str(inputs)], check=True)  # so that pytest can remove it

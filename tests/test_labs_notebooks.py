@@ -192,3 +192,17 @@ def test_lab_result_files_takes_every_file_without_names(tmp_path):
     assert [p.stem for p in lab_result_files(tmp_path)] == ["lab0-ddp", "mnist-ddp-step"]
     assert [p.stem for p in lab_result_files(tmp_path, ["mnist-*"])] == ["mnist-ddp-step"]
     assert fnmatch.fnmatchcase("lab0-single-global", "lab0-*")
+
+
+def test_the_pinned_lab_finds_the_committed_gpu_copies_it_draws_beside_yours():
+    """T10 (gpu-audit-2): the pinned lab looked for committed copies under results/transfer, which holds none, so it
+    always said "no committed GPU reference result yet"; the GPU reports' copies.json are where they are."""
+    import json
+
+    from distlab.results import committed_results
+
+    cells = json.loads((ROOT / "notebooks" / "lab_pinned_memory.ipynb").read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    where = re.findall(r'committed_results\("(\w+)"\)\.glob\("([^"]+)"\)', code)
+    assert where, "the lab reads no committed reference"
+    assert all(sorted(committed_results(kind).glob(pattern)) for kind, pattern in where), where
