@@ -16,7 +16,7 @@ from distlab.models import (
     gpt_param_count,
     require_shard_units,
 )
-from distlab.parallel.init import materialize
+from distlab.parallel.materialize import materialize
 from distlab.testing import CNN_PARAMETERS
 
 

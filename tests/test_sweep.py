@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from distlab.bench.sweep import VARIANTS
 from distlab.models import GPT_PRESETS, build_model
-from distlab.parallel.init import materialize
+from distlab.parallel.materialize import materialize
 from distlab.predict import costmodel
 from distlab.results import committed_results, read_result
 from distlab.testing import run_torchrun

@@ -2,7 +2,7 @@
 as the unit's gradient is complete, the next unit's backward computes while it runs, and it is waited for
 only when the next unit's starts (one in flight at a time) or, for the last, when backward ends
 (``finish_gradient_sync``). That it still trains like one process is the rest of the ZeRO-3 tests
-(tests/test_zero3_replicate.py with torch's collectives, tests/test_mini_fsdp.py, tests/test_implementations.py).
+(tests/test_zero3_replicate.py with torch's collectives, tests/test_zero3.py, tests/test_implementations.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from distlab.models import build_model
 from distlab.parallel.flat_param import TorchCollectives
-from distlab.parallel.mini_fsdp import ShardedParameters
+from distlab.parallel.zero3 import ShardedParameters
 
 
 class _RecordedWork:

@@ -27,7 +27,7 @@ from distlab.models import build_model
 from distlab.parallel import Zero3
 from distlab.parallel.base import MixedPrecision
 from distlab.parallel.checkpoint_state import FlatState
-from distlab.parallel.mini_fsdp import ShardedParameters
+from distlab.parallel.zero3 import ShardedParameters
 from distlab.testing import assert_same_state
 
 VOCAB, DIM, ROWS, SEQ = 41, 10, 2, 6

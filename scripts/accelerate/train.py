@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from distlab.config import TrainConfig
 from distlab.data import DataSpec, load_datasets
 from distlab.models import GPT_PRESETS, build_model, model_input_kind
-from distlab.parallel.init import materialize
+from distlab.parallel.materialize import materialize
 from distlab.runtime import Runtime
 from distlab.train import loss_and_correct, optimizer_factory
 

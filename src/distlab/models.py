@@ -6,7 +6,7 @@ the submodules a sharding strategy wraps one by one (each becomes one
 all-gather in forward and one reduce-scatter in backward), and
 ``init_weights()`` initialises every parameter and buffer in place, so a
 model built on the ``meta`` device can be sharded first and materialised
-afterwards (:func:`distlab.parallel.init.materialize`).
+afterwards (:func:`distlab.parallel.materialize.materialize`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
   ``DTensor``. An optimizer made before it holds the old, whole tensors, which no longer take part in
   forward: they get no gradient, and the step moves nothing. Nothing raises.
 * **Meta-device initialisation.** A model built on ``meta`` has shapes and no storage; sharded first and
-  given storage after (:func:`distlab.parallel.init.materialize`, what ``--meta-init`` and every sharding
+  given storage after (:func:`distlab.parallel.materialize.materialize`, what ``--meta-init`` and every sharding
   strategy of distlab do), each rank allocates only its shards, and starts from exactly the weights one
   process would have drawn.
 * **Gradient clipping over DTensors.** ``torch.nn.utils.clip_grad_norm_`` on an FSDP2 model's parameters
@@ -27,7 +27,7 @@ from ..errors import run_main
 from ..models import build_model
 from ..parallel import full_state_dict
 from ..parallel.fsdp2 import FSDP2
-from ..parallel.init import materialize
+from ..parallel.materialize import materialize
 from ..runtime import distributed
 
 MAX_NORM = 0.1

@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ..cli import ResultConfig, entry_point, finish_run, option
 from ..errors import run_main
 from ..models import GPT_PRESETS, build_model
-from ..parallel.init import materialize
+from ..parallel.materialize import materialize
 from ..parallel.sharded_optimizer import get_sharded_optimizer
 from ..runtime import distributed
 

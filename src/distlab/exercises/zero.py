@@ -451,7 +451,7 @@ EXERCISES = (
         "nothing whole once your function returns.",
         signature="def zero3_unit(shard: torch.Tensor, loss_fn) -> torch.Tensor:",
         solution="zero.zero3_unit",
-        library="distlab.parallel.mini_fsdp.ShardedUnit",
+        library="distlab.parallel.zero3.ShardedUnit",
         trial=zero3_trial,
         mistakes={
             **SHARD_MISTAKES,

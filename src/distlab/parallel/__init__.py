@@ -26,9 +26,9 @@ from ..errors import DistlabError
 from .base import Strategy, StrategySettings
 from .checkpoint_state import unwrap
 from .fsdp2 import FSDP2
-from .mini_fsdp import ShardedParameters, Zero3
 from .replicated import BucketedDDPStrategy, NaiveDDPStrategy, Single, TorchDDP
 from .zero import Zero1, Zero2
+from .zero3 import ShardedParameters, Zero3
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Single, TorchDDP, FSDP2, NaiveDDPStrategy, BucketedDDPStrategy, Zero1, Zero2, Zero3)

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..errors import DistlabError
 from ..runtime import LOW_PRECISION, Runtime
 from .checkpoint_state import PER_PARAMETER, CheckpointState
-from .init import materialize
+from .materialize import materialize
 
 
 class StrategySettings(Protocol):

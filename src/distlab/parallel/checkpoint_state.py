@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .mini_ddp import DataParallelWrapper
 
 if TYPE_CHECKING:
-    from .mini_fsdp import ShardedParameters
+    from .zero3 import ShardedParameters
 
 PER_PARAMETER, FLAT_OPTIMIZER, FLAT = "per-parameter", "flat optimizer state", "flat parameters and optimizer state"
 

@@ -2,7 +2,7 @@
 
 Written for reading: one flat buffer, padded to a multiple of the N ranks and cut into N equal shards, rank r
 owning shard r, and torch's equal-shard collectives. The library does the same per bucket
-(:mod:`distlab.parallel.zero`) or per shard unit (:mod:`distlab.parallel.mini_fsdp`), with the layout of
+(:mod:`distlab.parallel.zero`) or per shard unit (:mod:`distlab.parallel.zero3`), with the layout of
 :class:`distlab.parallel.flat_param.FlatParams`.
 """
 

@@ -54,7 +54,7 @@ from .flat_param import (
     clip_sharded_grad_norm_,
     resolve_collectives,
 )
-from .init import init_module_whole, tied_parameters
+from .materialize import init_module_whole, tied_parameters
 from .mini_ddp import DataParallelWrapper
 
 
@@ -241,8 +241,8 @@ class ShardedParameters(DataParallelWrapper):
         return [ShardedUnit(module, params, collectives, self.group, self.precision)] if params else []
 
     def materialize(self, device: torch.device, seed: int) -> ShardedParameters:
-        """Initialise a model wrapped on ``meta`` (see :func:`distlab.parallel.init.materialize`): module by module,
-        drawing what one process drawing the whole model would, and each unit is cut to this rank's slice as
+        """Initialise a model wrapped on ``meta`` (see :func:`distlab.parallel.materialize.materialize`): module by
+        module, drawing what one process drawing the whole model would, and each unit is cut to this rank's slice as
         soon as its last module is initialised. A rank never holds more than the unfinished units whole."""
         if not any(p.is_meta for p in self.module.parameters()):
             raise DistlabError("zero3: materialize() is for a model wrapped on the meta device")

@@ -1,4 +1,4 @@
-"""The course's ZeRO-3 (:mod:`distlab.parallel.mini_fsdp`): each rank stores
+"""The course's ZeRO-3 (:mod:`distlab.parallel.zero3`): each rank stores
 exactly its 1/N slice of every unit, whole parameters live only while their
 unit computes, and the training loop ends with DDP's weights under Adam.
 (That it trains like one process on the concatenated batch, for every toy
@@ -16,7 +16,7 @@ from distlab.errors import DistlabError
 from distlab.models import GPT, GPTConfig, ToyWithFrozen, build_model
 from distlab.parallel import Zero2, Zero3, full_state_dict
 from distlab.parallel.base import MixedPrecision
-from distlab.parallel.mini_fsdp import ShardedParameters
+from distlab.parallel.zero3 import ShardedParameters
 from distlab.testing import TOY_MODELS, ToyWithUnusedLayer, assert_same_state, run_ranks
 from distlab.train import train
 
