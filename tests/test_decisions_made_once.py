@@ -1,5 +1,6 @@
-"""Decisions made once, in the right scope (../shared/reviews/architecture-4.md, A2-A4 and A12): each test fails
-on the code the review read (b92fcb6) for the reason it gave."""
+"""Decisions made once, in the right scope: the sweep's presets the same on every rank, the launcher's placement
+told to its ranks, each rank's own CUDA generator, one forkserver and preload list, a lab report's ranks. Each
+test fails on the code of b92fcb6, which made the decision twice or in the wrong place."""
 
 from __future__ import annotations
 
