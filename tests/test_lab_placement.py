@@ -63,6 +63,8 @@ def _flags_taken(notebook: Path, target: str) -> frozenset[str]:
         written = [c for c in _code_cells(notebook) if c.startswith(f"%%writefile {target}\n")]
         assert len(written) == 1, f"{notebook.name} launches {target} but does not write it"
         wrapped = re.search(r"^from (distlab[\w.]*) import main$", written[0], re.M)
+        if not wrapped and target not in SCRIPTS and "argparse" not in written[0]:
+            return frozenset()  # a plain program that takes no flag (lab 0's copy of the DDP chapter's: gloo, CPU)
         call = importlib.import_module(wrapped.group(1)).main if wrapped else _script(target).parse_args
     else:
         call = importlib.import_module(target).main
