@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +33,11 @@ def test_finding_1_a_cuda_group_is_created_with_a_gloo_leg(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    # what the survey every NCCL rank makes for its transport reads of the (one, simulated) GPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 << 30))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
