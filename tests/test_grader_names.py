@@ -66,7 +66,8 @@ def test_cuda_the_machine_cannot_give_is_refused_in_the_words_check_takes(monkey
 @pytest.mark.parametrize(
     "exercise, wrong, mistake",
     [
-        ("ring_all_reduce", all_reduce_receives_from_the_right, "wrong_peer"),
+        # it deadlocks on three ranks, named once the grader's timeout expires: slow, as every such grading is
+        pytest.param("ring_all_reduce", all_reduce_receives_from_the_right, "wrong_peer", marks=pytest.mark.slow),
         ("ring_reduce_scatter", reduce_scatter_with_chunk, "cut_differently"),
     ],
 )
