@@ -1,6 +1,7 @@
-"""What several test files set up alike, written once: the book's Sphinx extension loaded as a module, and a bare
+"""What several test files set up alike, written once: the book's Sphinx extension loaded as a module, a bare
 Jupyter kernel that runs a lab as Kaggle does (its own Python, which cannot import distlab until the lab installs
-the wheel). Tests import it as ``support`` (pytest puts this folder on the path)."""
+the wheel), a page's own program run on two gloo ranks, and the committed H200 copies the pinned chapter reads.
+Tests import it as ``support`` (pytest puts this folder on the path)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ def bare_kaggle_kernel(tmp_path: Path, monkeypatch, python: Path, name: str, dis
     for variable in ("PYTHONPATH", "DISTLAB_SOURCE", "NCCL_P2P_DISABLE", "NCCL_CUMEM_HOST_ENABLE"):
         monkeypatch.delenv(variable, raising=False)
     return name
+
+
+def run_page_program(page: str, filename: str, tmp_path: Path, ranks: int = 2) -> subprocess.CompletedProcess:
+    """The program a book page writes with ``%%writefile <filename>``, run as the page runs it: torchrun on
+    ``ranks`` gloo ranks of this CPU, in ``tmp_path``. Its exit status is asserted; the finished job is returned."""
+    import re
+
+    text = (ROOT / "book" / page).read_text()
+    program = re.search(rf"%%writefile {re.escape(filename)}\n(.*?)\n```", text, re.S).group(1)
+    (tmp_path / filename).write_text(program)
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", filename]
+    done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def committed_h200_copies_and_host() -> tuple[dict, dict]:
+    """The committed H200 report's copies and the same machine's host benchmark, as the pinned chapter reads them."""
+    from distlab.gpu_report import schema
+    from distlab.results import committed_results, read_result
+
+    for report in schema.read_reports(committed_results("gpu")):
+        files = [report["folder"] / name for part in report["parts"] for name in part["files"]]
+        by_kind = {(r := read_result(path))["kind"]: r for path in files}
+        if "transfer" in by_kind and "H200" in by_kind["transfer"]["metrics"]["ranks"][0]["gpu"]:
+            return by_kind["transfer"], by_kind["host"]
+    pytest.fail("no committed H200 transfer result")

@@ -5,19 +5,12 @@ printed a loss that rose) and ends with one model on both ranks."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-PAGE = Path(__file__).resolve().parents[1] / "book" / "ddp.md"
+from support import run_page_program
 
 
 def test_the_first_program_learns_and_ends_with_the_same_weights_on_every_rank(tmp_path):
-    program = re.search(r"%%writefile ddp_minimal.py\n(.*?)\n```", PAGE.read_text(), re.S).group(1)
-    (tmp_path / "ddp_minimal.py").write_text(program)
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_minimal.py"]
-    done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_page_program("ddp.md", "ddp_minimal.py", tmp_path)
     for rank in (0, 1):
         losses = [
             float(x) for x in re.findall(rf"rank {rank}/2 epoch \d+: \d+ samples, mean loss ([\d.]+)", done.stdout)

@@ -7,9 +7,6 @@ the two strategies really send)."""
 from __future__ import annotations
 
 import dataclasses
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +19,7 @@ from distlab.gpu_report import schema, summary  # noqa: E402
 from distlab.predict import costmodel, gpu_predictions  # noqa: E402
 from distlab.predict.gpu_specs import SYSTEMS  # noqa: E402
 from distlab.results import committed_results  # noqa: E402
+from support import run_page_program  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "book" / "ddp_vs_fsdp.md"
@@ -113,13 +111,8 @@ def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_s
     """The page's program on two gloo ranks: DDP holds the whole 4.01 MiB and sends it in one all-reduce; FSDP2
     holds half and sends 1.5x in one dtype, 8 all-gathers (each of 4 units in forward and backward) and 4
     reduce-scatters; every rank prints one line per strategy, the lines unmixed."""
-    text = PAGE.read_text()
-    program = re.search(r"%%writefile ddp_or_fsdp.py\n(.*?)\n```", text, re.S).group(1)
-    assert len(program.splitlines()) <= 36
-    (tmp_path / "ddp_or_fsdp.py").write_text(program)
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "ddp_or_fsdp.py"]
-    done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_page_program("ddp_vs_fsdp.md", "ddp_or_fsdp.py", tmp_path)
+    assert len((tmp_path / "ddp_or_fsdp.py").read_text().splitlines()) <= 36
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
     assert lines == [
         "rank 0 DDP: holds 4.01 MiB of parameters, sent 4.01 MiB in 1 all_reduce",

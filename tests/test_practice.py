@@ -4,10 +4,7 @@ traffic prediction gives for the trainable values, and its calculator cell answe
 from __future__ import annotations
 
 import io
-import re
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +18,7 @@ from matplotlib.text import Text  # noqa: E402
 from distlab import plots  # noqa: E402
 from distlab.predict.calculator import GIB, Inputs, memory_per_rank  # noqa: E402
 from distlab.predict.traffic import expected_bytes_per_step, frozen_crossing  # noqa: E402
+from support import run_page_program
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "book" / "practice.md"
@@ -30,12 +28,8 @@ EVERY, TRAINABLE = 4 * (512 * 512 + 512 + 2 * 8 * 512), 4 * 2 * 8 * 512  # four 
 def test_the_frozen_base_program_counts_what_the_prediction_says(tmp_path):
     """DDP all-reduces only the adapters' gradients; FSDP2 gathers every block twice, frozen weights too, and
     reduce-scatters the adapters': the counter's bytes on each rank are the prediction's, to the byte."""
-    program = re.search(r"%%writefile frozen_base.py\n(.*?)\n```", PAGE.read_text(), re.S).group(1)
-    assert len(program.splitlines()) <= 45
-    (tmp_path / "frozen_base.py").write_text(program)
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "frozen_base.py"]
-    done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_page_program("practice.md", "frozen_base.py", tmp_path)
+    assert len((tmp_path / "frozen_base.py").read_text().splitlines()) <= 45
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
     ddp = expected_bytes_per_step("ddp", EVERY, 2, trainable=TRAINABLE)
     fsdp = expected_bytes_per_step("fsdp", EVERY, 2, trainable=TRAINABLE)

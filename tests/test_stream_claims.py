@@ -10,9 +10,8 @@ import copy
 
 import pytest
 
-from distlab.gpu_report import schema
 from distlab.predict import stream_results, stream_scenarios, streams
-from distlab.results import committed_results, read_result
+from support import committed_h200_copies_and_host
 
 MiB = 1 << 20
 
@@ -70,7 +69,7 @@ def test_the_staging_verdict_agrees_with_the_models_own_gain_on_one_large_copy()
 def test_the_pages_claims_on_a_committed_hosts_staging_rate():
     """The committed H200 host's staging rate (11.9 GB/s), with the T4 link the page cites (15.75 GB/s): the page's
     curves and verdicts. Staging is the slower, so pinning gains up to link / staging (1.33x), more than 10-15 %."""
-    host = _committed_h200()[1]
+    host = committed_h200_copies_and_host()[1]
     link = streams.pcie_GBps(3, 16)
     inputs = stream_results.inputs_from_host_result(host, link, "cited")
     ratios = [round(10 ** (k / 8), 4) for k in range(-16, 9)]
@@ -86,16 +85,6 @@ def test_the_pages_claims_on_a_committed_hosts_staging_rate():
 
 
 # -- the errors of the copy model on a GPU run: error_claims ----------------------------------------------------
-
-
-def _committed_h200() -> tuple[dict, dict]:
-    """The first committed GPU report's copies and its host benchmark, as the chapter reads them."""
-    for report in schema.read_reports(committed_results("gpu")):
-        files = [report["folder"] / name for part in report["parts"] for name in part["files"]]
-        by_kind = {(r := read_result(path))["kind"]: r for path in files}
-        if "transfer" in by_kind and "H200" in by_kind["transfer"]["metrics"]["ranks"][0]["gpu"]:
-            return by_kind["transfer"], by_kind["host"]
-    pytest.fail("no committed H200 transfer result")
 
 
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)

@@ -9,22 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from distlab.gpu_report import schema
 from distlab.predict import stream_results
-from distlab.results import committed_results, read_result
+from support import committed_h200_copies_and_host
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _committed_h200() -> tuple[dict, dict]:
-    """The committed H200 report's copies and the same machine's host benchmark, as the chapter reads them."""
-    for report in schema.read_reports(committed_results("gpu")):
-        files = [report["folder"] / name for part in report["parts"] for name in part["files"]]
-        by_kind = {(r := read_result(path))["kind"]: r for path in files}
-        if "transfer" in by_kind and "H200" in by_kind["transfer"]["metrics"]["ranks"][0]["gpu"]:
-            return by_kind["transfer"], by_kind["host"]
-    pytest.fail("no committed H200 transfer result")
 
 
 def _moved(record: dict, size: int) -> dict:
@@ -47,7 +36,7 @@ def _predicted(rows: list[dict], key: str) -> dict:
 def test_a_size_left_out_is_predicted_without_any_of_its_own_measurements():
     """Change everything measured at one size: its held-out predictions must not move (a point in its own fit would
     move them), while the in-sample fit of the extreme sizes, whose copies set the inputs, does."""
-    record, host = _committed_h200()
+    record, host = committed_h200_copies_and_host()
     rows = stream_results.bandwidth_table(record, host=host)
     sizes = sorted({r["bytes"] for r in rows})
     assert len(sizes) >= 5 and all("held_out_GBps" in r for r in rows)
@@ -62,7 +51,7 @@ def test_a_size_left_out_is_predicted_without_any_of_its_own_measurements():
 
 
 def test_without_size_takes_out_every_measurement_of_that_size_and_nothing_else():
-    record, _ = _committed_h200()
+    record, _ = committed_h200_copies_and_host()
     measured = record["metrics"]["ranks"][0]
     left = stream_results.without_size(record, 16 * MiB)["metrics"]["ranks"][0]
     assert {r["bytes"] for r in left["bandwidth"]} == {r["bytes"] for r in measured["bandwidth"]} - {16 * MiB}
@@ -74,7 +63,7 @@ def test_without_size_takes_out_every_measurement_of_that_size_and_nothing_else(
 def test_the_h200_copies_left_out_miss_by_more_than_the_fit_and_the_chapter_says_so():
     """The H200 run's figures as the chapter prints them, through stream_results.error_claims (the page's cell calls
     it and prints its numbers and its explanation): the fit (in-sample) and each size left out."""
-    record, host = _committed_h200()
+    record, host = committed_h200_copies_and_host()
     claims = stream_results.error_claims(record, host=host)
     fit, held = claims["fit"], claims["held_out"]
     assert fit["rows"] == held["rows"] == 20
