@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distlab.errors import DistlabError
 from distlab.labs import launch
@@ -400,3 +401,16 @@ def test_the_pages_run_their_jobs_side_by_side_through_launch_only():
     assert not own_pools, (
         f"pages with a thread pool of their own (use launch.train_many/torchrun_many/run_many): {own_pools}"
     )
+
+
+def test_running_says_why_the_labs_launch_torchrun_and_not_processes_from_the_notebook():
+    """Scout S9: fork after CUDA is initialised and spawn of a function defined in the notebook both fail; the page
+    shows spawn's failure live (its cell asserts it, so the build fails if it stops failing) and names fork's error
+    as torch words it."""
+    page = (Path(__file__).resolve().parents[1] / "book" / "running.md").read_text()
+    box = " ".join(page[page.index("(running-why-torchrun)=") : page.index("(platforms)=")].split())
+    torch_source = (Path(torch.__file__).parent / "cuda" / "__init__.py").read_text()
+    assert "Cannot re-initialize CUDA in forked subprocess" in torch_source
+    assert "Cannot re-initialize CUDA in forked subprocess" in box
+    assert "mp.spawn(hello, nprocs=2)" in box and "assert done.returncode != 0 and said," in box
+    assert "%%writefile" in box and "`torchrun`" in box
