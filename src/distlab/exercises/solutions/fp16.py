@@ -4,7 +4,7 @@ or grow the scale).
 
 Written for reading: one scale for the whole model, the factors torch uses by default (halve after a skip, double
 after ``growth_interval`` clean steps). :class:`torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` does
-the same for every optimizer and device, without a host sync.
+the same for every optimizer, device and dtype.
 """
 
 import torch
