@@ -21,6 +21,7 @@ from .collectives import (
 )
 from .common import jshtml, run_label
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
+from .fp16 import plot_scaler_run, plot_underflow
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
 from .memory import (
     MEMORY_COLORS,
@@ -92,6 +93,8 @@ __all__ = [
     "plot_gradient_averaging",
     "plot_bucket_schedule",
     "traced_all_reduces",
+    "plot_underflow",
+    "plot_scaler_run",
     "plot_report_bandwidth",
     "plot_report_sweep",
     "plot_timeline",
