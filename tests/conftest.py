@@ -15,8 +15,8 @@ from distlab.data import write_tiny_mnist
 from distlab.testing import RankPool
 
 GPU_TIER = ("gpu", "gpu and quick")
-"""The GPU tier's two sizes (tests/test_gpu.py, tests/test_gpu_labs.py): everything, and the quick selection."""
-GPU_FILES = ("test_gpu.py", "test_gpu_labs.py")
+"""The GPU tier's two sizes (the files of GPU_FILES): everything, and the quick selection."""
+GPU_FILES = ("test_gpu.py", "test_gpu_labs.py", "test_gpu_fp16.py")
 """The files ``pytest -m gpu`` collects; scripts/gpu_check.py names the same."""
 OTHER_TIERS = ("slow", "stress", "kaggle")
 """The tiers CI runs beside the default one, in the order the end of a default run names them."""

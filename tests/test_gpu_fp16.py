@@ -2,8 +2,9 @@
 bf16 matmul time on the GPU present, recorded.
 
 GPU tier (``-m gpu``): not run in CI, and never run where this file was written (a 2-core CPU machine, no GPU):
-every test here is skipped without CUDA. Run it as ``python -m pytest -m gpu tests/test_gpu_fp16.py -rA`` (a path
-named on the command line is collected even though ``tests/conftest.py``'s ``GPU_FILES`` does not list it). On a
+every test here is skipped without CUDA. ``pytest -m gpu`` collects it (``tests/conftest.py``'s ``GPU_FILES``)
+and ``scripts/gpu_check.py`` runs it; alone: ``python -m pytest -m gpu tests/test_gpu_fp16.py -rA``. It is not
+in the quick selection. On a
 T4, ``torch.cuda.is_bf16_supported()`` may answer True while Turing has no bf16 tensor cores (the T4 datasheet lists
 FP16, INT8 and INT4 only): the timing then shows what bf16 costs there. The timing is recorded three ways: pytest's
 ``record_property`` (in the JUnit XML), a printed line (``-rA`` shows it), and ``fp16-vs-bf16-matmul.json`` in

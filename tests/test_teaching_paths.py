@@ -12,7 +12,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ("fsdp_from_scratch", "fsdp2_in_practice")
-CORE = ("ddp", "ring_allreduce", "fsdp_from_scratch", "fsdp2_in_practice", "ddp_vs_fsdp", "pinned_memory", "practice")
+CORE = (
+    "ddp",
+    "ring_allreduce",
+    "fsdp_from_scratch",
+    "fsdp2_in_practice",
+    "ddp_vs_fsdp",
+    "pinned_memory",
+    "practice",
+    "fp16",
+)
 """The six core chapters and the chapter on the learner's own training run."""
 PATH_WORDS = 3000  # the fifth review's limit for every core chapter, counted by scripts/path_words.py
 
