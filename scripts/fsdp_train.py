@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="fsdp_train.json")
     args = p.parse_args(argv)
+    if args.adapter_rank < 0:
+        p.error(f"--adapter-rank is an adapter's width: 1 or more, or 0 for none, not {args.adapter_rank}")
     if args.adapter_rank and args.model == "cnn":
         p.error("--adapter-rank adapts a GPT's blocks: pass a GPT preset to --model")
     return args
