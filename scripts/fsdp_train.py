@@ -8,7 +8,8 @@ Each rank stores 1/N of every parameter, gradient and Adam moment. Before a unit
 its backward) the ranks all-gather its parameters; after its backward they reduce-scatter its gradients, so
 each rank steps only its own shard. `--wrap ddp` replicates the model instead: the baseline to compare with.
 `--prefetch-depth 2` keeps two units' all-gathers in flight instead of FSDP2's one; `--cpu-offload` keeps the
-shards, gradients and Adam state in pinned host memory and steps Adam on the CPU.
+shards, gradients and Adam state in pinned host memory and steps Adam on the CPU. `--adapter-rank 8` freezes the
+GPT and trains rank-8 adapters beside each block's linear layers (LoRA), and counts the bytes one step sends.
 Rank 0 writes a JSON summary, with the environment it ran in, to --out. Without --device it runs on the GPUs
 only where each rank has one of its own; `--device cuda --backend gloo` lets ranks share the GPUs there are.
 """
@@ -20,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
@@ -29,13 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from distlab.comm.traffic import TrafficCounter
 from distlab.models import GPT, GPT_PRESETS, build_model
+from distlab.predict.traffic import expected_bytes_per_step
 
 
 def default_device() -> str:
@@ -69,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cpu-offload", action="store_true", help="fsdp: state in host memory, Adam on the CPU")
     p.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="GPT: freeze it and train rank-R adapters beside each block's linear layers (0: off); the first step's "
+        "bytes are counted, and predicted for collectives in one dtype (--precision fp32)",
+    )
+    p.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "fp32", "fp16", "bf16"],
@@ -88,7 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: nccl on cuda, gloo on cpu; gloo also lets more ranks than GPUs share them",
     )
     p.add_argument("--out", default="fsdp_train.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.adapter_rank < 0:
+        p.error(f"--adapter-rank is an adapter's width: 1 or more, or 0 for none, not {args.adapter_rank}")
+    if args.adapter_rank and args.model == "cnn":
+        p.error("--adapter-rank adapts a GPT's blocks: pass a GPT preset to --model")
+    return args
 
 
 def device_and_backend(args) -> tuple[torch.device, str]:
@@ -146,6 +162,30 @@ def load_data(args) -> tuple:
     return tuple(datasets.MNIST(args.data_dir, train=train, transform=to_tensor) for train in (True, False))
 
 
+class LowRankAdapter(torch.nn.Module):
+    """A frozen linear layer and a trainable rank-r path beside it (LoRA): x -> base(x) + up(down(x)). `up` starts
+    at zero, so the adapted model starts as the base model computes."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.down = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.up = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def add_adapters(model, rank: int) -> None:
+    """Freeze every parameter, then put an adapter beside each linear layer of each unit (a GPT's blocks)."""
+    model.requires_grad_(False)
+    linears = [(parent, name, child) for unit in model.shard_units() for parent in unit.modules()
+               for name, child in parent.named_children() if isinstance(child, torch.nn.Linear)]  # fmt: skip
+    for parent, name, linear in linears:
+        setattr(parent, name, LowRankAdapter(linear, rank))
+
+
 def build(args, device: torch.device, dtype: torch.dtype):
     """The model, wrapped, and its parameter count."""
     torch.manual_seed(args.seed)  # every rank builds the same weights; fully_shard then keeps each rank's slice
@@ -155,6 +195,8 @@ def build(args, device: torch.device, dtype: torch.dtype):
         with torch.device(device):
             preset = GPT_PRESETS[args.model]
             model = GPT(replace(preset, n_layer=args.n_layer or preset.n_layer))
+            if args.adapter_rank:  # after the base's weights, so that they are the same with or without adapters
+                add_adapters(model, args.adapter_rank)
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # a tied weight once
     if args.checkpoint_activations:  # keep only each unit's input in forward: one more forward, far less memory
         for unit in model.shard_units():
@@ -217,6 +259,49 @@ def held_bytes(model, optimizer) -> int:
     return sum(storages.values())
 
 
+def unwrapped(model):
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def named_values(model) -> dict[str, torch.Tensor]:
+    """Each parameter's name (without DDP's `module.`) and the values this rank holds of it."""
+    named = unwrapped(model).named_parameters()
+    return {name: (p.to_local() if isinstance(p, DTensor) else p) for name, p in named}
+
+
+def predicted_bytes(wrap: str, model, world: int) -> float:
+    """What distlab.predict.traffic predicts one rank sends in a step, every collective in fp32. DDP all-reduces
+    the trainable gradients only. FSDP2 gathers every parameter, frozen or not, before forward and again before
+    backward, but the root's once (it stays gathered from forward into backward), and reduce-scatters the
+    trainable gradients; it pads each parameter's first dimension to a multiple of the ranks."""
+    params = list(unwrapped(model).parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    if wrap == "ddp":
+        return expected_bytes_per_step("ddp", sum(p.numel() for p in params), world, trainable=trainable)
+
+    def padded(group) -> int:
+        return sum(-(-p.shape[0] // world) * world * (p.numel() // p.shape[0]) for p in group)
+
+    in_units = {id(p) for unit in model.shard_units() for p in unit.parameters()}
+    root = padded(p for p in params if id(p) not in in_units)
+    values, trainable = padded(params), padded(p for p in params if p.requires_grad)
+    return expected_bytes_per_step("fsdp", values, world, gathered_once=root, trainable=trainable)
+
+
+def largest_changes(model, before: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """The largest change of any frozen value and of any adapter value since `before`, over every rank."""
+    if isinstance(model, FSDPModule):  # evaluation left the root gathered (no backward came to free it)
+        model.reshard()
+    changes = torch.zeros(2, dtype=torch.float64, device=device)
+    for name, values in named_values(model).items():
+        if values.numel():
+            change = (values.detach().cpu().double() - before[name].double()).abs().max()
+            kind = int(name.endswith(("down.weight", "up.weight")))
+            changes[kind] = torch.maximum(changes[kind], change.to(device))
+    dist.all_reduce(changes, op=dist.ReduceOp.MAX)
+    return {"frozen": changes[0].item(), "adapters": changes[1].item()}
+
+
 def environment(device: torch.device) -> dict:
     """What a reader needs to trust or redo the numbers: versions, hardware, the command."""
     cuda, cpuinfo = device.type == "cuda", Path("/proc/cpuinfo")
@@ -240,6 +325,25 @@ def environment(device: torch.device) -> dict:
     }
 
 
+def adapter_metrics(args, model, world, device, traffic, with_gradients, before) -> dict:
+    """What a run over a frozen base records: the bytes each rank counted in its first step against the
+    prediction (None where FSDP gathers in 16 bits: the prediction is for one dtype), the parameters that had
+    gradients, and how far the frozen and the adapter weights moved."""
+    sent = torch.tensor([traffic.total_bytes], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(sent) for _ in range(world)]
+    dist.all_gather(every, sent)
+    one_dtype = args.wrap == "ddp" or compute_dtype(device, args.precision) == torch.float32
+    counted = {
+        "bytes_sent": [r.item() for r in every],
+        "predicted_bytes": predicted_bytes(args.wrap, model, world) if one_dtype else None,
+        "collectives": traffic.summary(),
+        "bytes_by_device": dict(traffic.bytes_by_device),
+    }
+    changed = largest_changes(model, before, device)
+    return {"adapter_rank": args.adapter_rank, "traffic": counted, "with_gradients": with_gradients,
+            "largest_change": changed}  # fmt: skip
+
+
 def train(args, device: torch.device) -> None:
     rank, world, cuda = dist.get_rank(), dist.get_world_size(), device.type == "cuda"
     train_set, test_set = load_data(args)
@@ -258,9 +362,13 @@ def train(args, device: torch.device) -> None:
         train_set, args.batch_size, sampler=sampler, num_workers=args.num_workers, pin_memory=cuda, drop_last=True
     )
     steps = min(len(loader), args.max_steps or len(loader))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if rank == 0:
         where = f"{world} x {device.type}, {dist.get_backend()}"
         print(f"{args.wrap} | {args.model}: {parameters:,} parameters | {where} | {dtype}", flush=True)
+    # Adapters: the weights before (in host memory, out of the GPU's peak) and what the first step sends.
+    before = {name: v.detach().cpu().clone() for name, v in named_values(model).items()} if args.adapter_rank else {}
+    traffic, with_gradients = None, []
     history, held = [], 0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -275,10 +383,15 @@ def train(args, device: torch.device) -> None:
         start = time.perf_counter()
         for step, (x, y) in zip(range(steps), batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast:
-                losses, correct = loss_and_correct(model(x), y)
-            scaler.scale(losses.mean()).backward()
-            scaler.step(optimizer)
+            counted = bool(args.adapter_rank) and epoch == step == 0  # the counter slows its step: not a warm one
+            with TrafficCounter(world) if counted else nullcontext() as counter:
+                with autocast:
+                    losses, correct = loss_and_correct(model(x), y)
+                scaler.scale(losses.mean()).backward()
+                if counted:
+                    traffic = counter
+                    with_gradients = [name for name, p in unwrapped(model).named_parameters() if p.grad is not None]
+                scaler.step(optimizer)
             scaler.update()
             held = max(held, held_bytes(model, optimizer))  # the gradients exist from backward to zero_grad
             optimizer.zero_grad(set_to_none=True)
@@ -308,9 +421,11 @@ def train(args, device: torch.device) -> None:
     mine = torch.tensor([held, torch.cuda.max_memory_allocated(device) if cuda else -1], device=device)
     ranks = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(ranks, mine)
+    adapters = adapter_metrics(args, model, world, device, traffic, with_gradients, before) if args.adapter_rank else {}
     if rank == 0:
         memory = [{"state_bytes": int(r[0]), "cuda_max_allocated": int(r[1]) if cuda else None} for r in ranks]
-        metrics = {"parameters": parameters, "compute_dtype": str(dtype), "epochs": history, "memory": memory}
+        metrics = {"parameters": parameters, "trainable_parameters": trainable, "compute_dtype": str(dtype)}
+        metrics |= {"epochs": history, "memory": memory, **adapters}
         record = {"schema": "distlab.result/1", "kind": "fsdp_train", "config": vars(args), "metrics": metrics}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({**record, "environment": environment(device)}, indent=2) + "\n")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from distlab.labs.offline import write_offline_mnist
-from test_gpu import needs_gpu
+from test_fsdp_lab import check_adapter_runs
+from test_gpu import GPUS, nccl_transport_as_a_lab_sets_it, needs_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,3 +111,31 @@ def test_every_labs_quick_play_stops_at_its_own_job_with_the_earlier_jobs_left_o
     for old, new in QUICK_EDITS:
         if json.dumps(old)[1:-1] in original:
             assert any(new in source for source in code), (old, new)
+
+
+ADAPTER_PART = ["--model", "gpt-small", "--adapter-rank", "8", "--precision", "fp32", "--epochs", "2"]
+ADAPTER_PART += ["--num-workers", "0", "--batch-size", "4", "--samples", "160", "--device", "cuda", "--backend", "nccl"]
+"""The FSDP lab's part 4 as its GPU branch runs it (a GPU per rank: part 2's gpt-small and its batch), each wrap."""
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_fsdp_labs_adapter_part_sends_the_predicted_bytes_on_nccl_ranks(tmp_path, monkeypatch):
+    """Part 4 of ``lab_fsdp`` on two NCCL ranks, a GPU each: gpt-small frozen with rank-8 adapters under both
+    wraps. Only the adapters have gradients and move, the base does not, and each rank's first step sends the
+    predicted bytes to the byte, every one of them a CUDA tensor's (none through the group's gloo leg). CPU twin:
+    ``tests/test_fsdp_lab.py::test_adapters_over_a_frozen_gpt_send_the_predicted_bytes_under_both_wraps``."""
+    from distlab.results import read_result
+    from distlab.testing import run_torchrun
+
+    if GPUS < 2:
+        pytest.skip(f"part 4 runs where each of two ranks has a GPU of its own; this machine has {GPUS}")
+    nccl_transport_as_a_lab_sets_it(monkeypatch)
+    runs = {}
+    for wrap in ("ddp", "fsdp"):
+        out = tmp_path / f"gpt-small-adapters-{wrap}.json"
+        job = run_torchrun(2, str(ROOT / "scripts" / "fsdp_train.py"), *ADAPTER_PART, "--wrap", wrap, "--out", str(out))
+        assert job.returncode == 0, job.stderr[-3000:]
+        runs[wrap] = read_result(out)
+    check_adapter_runs(runs, 2, "cuda")
+    assert all(m["cuda_max_allocated"] for record in runs.values() for m in record["metrics"]["memory"])
