@@ -137,14 +137,15 @@ def test_the_picture_draws_the_run_in_the_column():
 @pytest.mark.slow
 def test_the_page_program_measures_every_granularity(tmp_path):
     """The page's own program on two gloo ranks: DDP's peaks are the model's; under FSDP2 each block checkpointed
-    holds the least, the whole model about as much as nothing, and each Linear exactly as much as nothing."""
+    holds the least, the whole model and each Linear about as much as nothing."""
     done = run_page_program("checkpointing.md", "checkpointing.py", tmp_path)
     records = checkpointing_records(done.stdout)
     for where in ("none", "each block"):
         predicted = mlp_activation_peak_bytes(BATCH, WIDTH, HIDDEN, BLOCKS, where == "each block")
         assert [records["DDP", where][r]["activations"] for r in (0, 1)] == [predicted] * 2
-    fsdp = {where: records["FSDP2", where][0]["activations"] for where in ("none", "each block", "whole model")}
-    fsdp["each Linear"] = records["FSDP2", "each Linear"][0]["activations"]
-    assert fsdp["each block"] < 0.6 * fsdp["none"]
-    assert fsdp["whole model"] > 0.9 * fsdp["none"] and fsdp["each Linear"] == fsdp["none"]
+    for rank in (0, 1):  # FSDP2's own buffers vary by a block's weights from run to run: compared, not counted
+        fsdp = {where: records["FSDP2", where][rank]["activations"] for where in ("none", "each block")}
+        fsdp |= {where: records["FSDP2", where][rank]["activations"] for where in ("whole model", "each Linear")}
+        assert fsdp["each block"] < 0.6 * fsdp["none"]
+        assert min(fsdp["whole model"], fsdp["each Linear"]) > 0.9 * fsdp["none"]
     _check_picture(done.stdout)
