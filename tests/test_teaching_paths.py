@@ -20,9 +20,10 @@ CORE = (
     "ddp_vs_fsdp",
     "pinned_memory",
     "practice",
+    "checkpointing",
     "fp16",
 )
-"""The six core chapters and the chapter on the learner's own training run."""
+"""The six core chapters and the chapters on the learner's own training run."""
 PATH_WORDS = 3000  # the fifth review's limit for every core chapter, counted by scripts/path_words.py
 
 

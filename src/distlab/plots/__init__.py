@@ -9,6 +9,7 @@ it never imports a benchmark (what it needs of one lives in :mod:`distlab.predic
 May import: config, results, comm, predict.
 """
 
+from .checkpointing import plot_checkpointing_run as plot_checkpointing_run
 from .collectives import (
     LINE_STYLES,
     plot_busbw,
