@@ -12,6 +12,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
+import torch
 
 matplotlib.use("Agg")
 
@@ -170,3 +171,41 @@ def test_the_librarys_token_weighted_micro_steps_pass_the_exercises_check():
     batch's gradient on two gloo ranks, with one gradient all-reduce a step."""
     verdict = grade("token_weighted_accumulation", library_micro_steps)
     assert verdict.passed, verdict.message
+
+
+def _fsdp2_token_weighted(runtime, seed: int):
+    """On each rank: the exercise's per-token model sharded by FSDP2 (its first layer a unit, then the root), one
+    step of the library's token-weighted micro-steps with the FSDP2 strategy's no_sync; the whole gradients."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    from distlab.exercises.accumulation import per_token_model, step_batches
+    from distlab.parallel.accumulation import token_weighted_micro_steps
+    from distlab.parallel.fsdp2 import FSDP2
+
+    model = copy.deepcopy(per_token_model(seed))
+    fully_shard(model[0])
+    fully_shard(model)
+    mine = step_batches(runtime.world_size, 3, 2, 6, seed)[runtime.rank]
+    share = token_weighted_micro_steps(model, mine, lambda: FSDP2().no_sync(model))
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}, float(share)
+
+
+def test_the_librarys_micro_steps_under_fsdp2_give_the_whole_batchs_gradient_and_loss(ranks2):
+    """FSDP2 synchronised only at the last of three micro-steps of uneven lengths: every rank's gradient is one
+    process's on the whole batch, and the ranks' shares of the loss add up to its mean loss per token."""
+    import torch.nn.functional as F
+
+    from distlab.exercises.accumulation import per_token_model, step_batches
+
+    seed = 5
+    plain = per_token_model(seed)
+    x, y = (torch.cat(parts) for parts in zip(*(b for mine in step_batches(2, 3, 2, 6, seed) for b in mine)))
+    loss = F.cross_entropy(plain(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    loss.backward()
+    ranks = ranks2.run(_fsdp2_token_weighted, seed)
+    for grads, _ in ranks:
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-5)
+    assert sum(share for _, share in ranks) == pytest.approx(loss.item(), rel=1e-6)
