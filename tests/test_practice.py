@@ -99,6 +99,7 @@ def test_a_7b_base_with_1_percent_trainable_on_two_16_gib_gpus():
 PSI = 4 * (256 * 256 + 256)  # the FSDP program's four 256 x 256 blocks
 
 
+@pytest.mark.slow
 def test_the_fsdp_accumulation_program_counts_what_the_prediction_says(tmp_path):
     """Synchronised every micro-step, FSDP2 gathers every unit twice and reduce-scatters the gradients each time,
     and holds only a shard of them; synchronised at the last, it sends no reduce-scatter before the last micro-step
