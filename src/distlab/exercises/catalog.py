@@ -14,7 +14,19 @@ from dataclasses import dataclass, field
 
 from ..errors import DistlabError
 
-CHAPTERS = ("first_run", "ddp", "pinned", "ring", "zero", "fsdp2", "costs", "checkpointing", "fp16", "troubleshooting")
+CHAPTERS = (
+    "first_run",
+    "ddp",
+    "pinned",
+    "ring",
+    "zero",
+    "fsdp2",
+    "costs",
+    "accumulation",
+    "checkpointing",
+    "fp16",
+    "troubleshooting",
+)
 """The modules of this package that hold exercises, in the book's order; each defines ``EXERCISES``."""
 
 

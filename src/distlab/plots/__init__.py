@@ -35,6 +35,7 @@ from .memory import (
     plot_state_bars,
     plot_state_per_rank,
 )
+from .practice import plot_accumulation_run as plot_accumulation_run
 from .practice import plot_frozen_base_run as plot_frozen_base_run
 from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
 from .streams import (

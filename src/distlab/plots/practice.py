@@ -1,4 +1,5 @@
-"""The practice chapter's pictures (``book/practice.md``): who holds and sends what over a frozen base."""
+"""The practice chapter's pictures (``book/practice.md``): who holds and sends what over a frozen base, and over
+the micro-steps of one accumulated step."""
 
 from __future__ import annotations
 
@@ -70,6 +71,72 @@ def plot_frozen_base_run(output, bytes_per_value: int = 4):
         plot_holdings(ax, cells, outlined, columns, shade=shade)
         title = (f"{name}: {trainable:,} of {first['every']:,} values train; each rank sent {first['sent']:,} B "
                  f"(predicted {first['predicted']:,} B)")  # fmt: skip
+        ax.set_title(textwrap.fill(title, 80), fontsize=MIN_TEXT_PT)
+    fig.tight_layout()
+    return fig
+
+
+_MICRO_LINE = re.compile(
+    r"rank (\d+) (.+?), micro-step (\d+): holds ([\d,]+) B above the shards; sent ([\d,]+) B in (.+)"
+)
+_PEAK_LINE = re.compile(r"rank (\d+) (.+?): peak ([\d,]+) B above the shards")
+_CALL_NAMES = {"all_gather": "all-gathers", "reduce_scatter": "reduce-scatters", "all_reduce": "all-reduces"}
+
+
+def accumulation_records(output) -> dict[str, dict[int, dict]]:
+    """What the practice chapter's accumulation run printed (its job, or the output text), by mode in the order
+    printed, then by rank: ``held`` and ``sent`` (bytes, one per micro-step), ``calls`` (one dict per micro-step)
+    and ``peak`` (bytes)."""
+    records: dict[str, dict[int, dict]] = {}
+    text = getattr(output, "output", output)
+    for rank, mode, micro, held, sent, calls in _MICRO_LINE.findall(text):
+        mine = records.setdefault(mode, {}).setdefault(int(rank), {"held": {}, "sent": {}, "calls": {}})
+        mine["held"][int(micro)], mine["sent"][int(micro)] = int(held.replace(",", "")), int(sent.replace(",", ""))
+        mine["calls"][int(micro)] = {op: int(k) for k, op in (part.split() for part in calls.split(", "))}
+    for rank, mode, peak in _PEAK_LINE.findall(text):
+        records.get(mode, {}).get(int(rank), {})["peak"] = int(peak.replace(",", ""))
+    complete = [
+        sorted(mine["held"]) == list(range(1, len(mine["held"]) + 1)) and "peak" in mine
+        for by_rank in records.values()
+        for mine in by_rank.values()
+    ]
+    ranks = {tuple(sorted(by_rank)) for by_rank in records.values()}
+    if len(records) < 2 or not all(complete) or len(ranks) != 1:
+        raise ValueError("no 'rank r MODE micro-step m: holds ... sent ...' and 'peak' lines for every rank and mode: "
+                         "pass the output of the accumulate_fsdp.py run")  # fmt: skip
+    return records
+
+
+def plot_accumulation_run(output):
+    """The FSDP2 accumulation run in the course's grammar, one panel per mode (synchronised every micro-step, or
+    only at the last): rows its ranks, columns the micro-steps of one optimizer step; a cell is what the rank holds
+    of the gradients after that micro-step (a shard, light, or the whole, dark), a red outline marks a micro-step
+    whose gradients went into a reduce-scatter, and under each column what one rank sent in it. Each panel's title
+    gives the run's peak."""
+    from .ring_animation import plot_holdings
+
+    records = accumulation_records(output)
+    world = len(next(iter(records.values())))
+    largest = max(held for by_rank in records.values() for mine in by_rank.values() for held in mine["held"].values())
+    fig, axes = plt.subplots(len(records), 1, figsize=(COLUMN_INCHES, 2.2 * len(records) + 0.6), squeeze=False)
+    for ax, (mode, by_rank) in zip(axes[:, 0], records.items()):
+        micro_steps = sorted(by_rank[min(by_rank)]["held"])
+        cells = [
+            [f"holds {by_rank[r]['held'][m]:,} B\n" + ("(whole)" if by_rank[r]["held"][m] == largest else "(a shard)")
+             for m in micro_steps]
+            for r in sorted(by_rank)
+        ]  # fmt: skip
+        shade = {cell: (0.85 if "whole" in cell else 0.3) for row in cells for cell in row}
+        outlined = [(r, i, None) for r in range(world) for i, m in enumerate(micro_steps)
+                    if "reduce_scatter" in by_rank[r]["calls"][m]]  # fmt: skip
+        first = by_rank[min(by_rank)]
+        columns = [
+            f"micro-step {m}\nsends {first['sent'][m]:,} B in\n"
+            + ",\n".join(f"{k} {_CALL_NAMES.get(op, op)}" for op, k in first["calls"][m].items())
+            for m in micro_steps
+        ]
+        plot_holdings(ax, cells, outlined, columns, shade=shade)
+        title = f"{mode}: each rank's peak {first['peak']:,} B above the shards"
         ax.set_title(textwrap.fill(title, 80), fontsize=MIN_TEXT_PT)
     fig.tight_layout()
     return fig
