@@ -4,6 +4,10 @@ step train on stale weights without an error; distlab's optimizer refuses."""
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from distlab.demos.fsdp_mistakes import run_all
 from distlab.results import read_result
 from distlab.testing import run_entry, run_ranks, run_torchrun
@@ -45,3 +49,31 @@ def test_the_essentials_an_optimizer_made_first_steps_nothing_meta_init_is_exact
     assert abs(clip["torch_norm"] - clip["whole_norm"]) < 1e-5 * clip["whole_norm"]  # float32, summed apart
     assert all(norm < clip["whole_norm"] for norm in clip["local_norm_by_rank"])
     assert abs(clip["norm_after_clipping"] - 0.1) < 1e-5
+
+
+def _gradient_bytes_held_across_micro_steps(runtime):
+    """FSDP2 over the root unit: the gradient bytes its state names after a no_sync backward, and the whole
+    gradients left after the synchronised one."""
+    from torch import nn
+
+    from distlab.parallel.fsdp2 import FSDP2, whole_gradients
+
+    torch.manual_seed(0)
+    strategy = FSDP2(units="root")
+    model = strategy.wrap(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), runtime)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with strategy.no_sync(model):
+        model(torch.randn(4, 16)).sum().backward()
+    gradients = strategy.state_tensors(model, optimizer)["gradients"]
+    held = sum(t.untyped_storage().nbytes() for t in gradients)
+    model(torch.randn(4, 16)).sum().backward()
+    return held, len(whole_gradients(model)), all(p.grad is not None for p in model.parameters())
+
+
+def test_fsdp2s_whole_gradients_under_no_sync_are_counted_as_gradients(ranks2):
+    """Under set_requires_gradient_sync(False) FSDP2 keeps each whole gradient on its gathered parameter until the
+    synchronised backward; the memory report counted them as activations (helper accum's finding). Its state names
+    them: the whole model's gradient bytes after the no_sync backward, none left once the synchronised backward has
+    reduce-scattered them into the shards."""
+    whole = (16 * 32 + 32 + 32 * 8 + 8) * 4
+    assert ranks2.run(_gradient_bytes_held_across_micro_steps) == [(whole, 0, True)] * 2

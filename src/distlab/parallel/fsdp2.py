@@ -178,6 +178,7 @@ class FSDP2(Strategy):
 
     def state_tensors(self, model, optimizer):
         found = super().state_tensors(model, optimizer)
+        found["gradients"] += whole_gradients(model)
         found["gathered"] = gathered_parameters(model)
         return found
 
@@ -235,9 +236,30 @@ def gathered_parameters(model: nn.Module) -> list[torch.Tensor]:
     return [param for param in _unsharded_parameters(model) if param.untyped_storage().size() > 0]
 
 
+def whole_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """The whole (unsharded) gradients FSDP2 keeps across micro-steps under ``set_requires_gradient_sync(False)``:
+    on the gathered parameter (``.grad``), or cast to the reduce dtype (``unsharded_accumulated_grad``, torch 2.14
+    ``_fsdp_param.py``), until the synchronised backward reduce-scatters them. Without them a no_sync step's whole
+    gradients were counted as activations. They live in FSDP2's private state; if that moves, they are counted as
+    other memory."""
+    found = []
+    for fsdp_param in _fsdp_params(model):
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+            if grad is not None and grad.untyped_storage().size() > 0:
+                found.append(grad)
+    return found
+
+
 def _unsharded_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The whole parameters FSDP2 assembles from shards (allocated only while gathered).
     They live in FSDP2's private state; if that moves, they are counted as other memory."""
+    unsharded = (getattr(fsdp_param, "_unsharded_param", None) for fsdp_param in _fsdp_params(model))
+    return [param for param in unsharded if param is not None]
+
+
+def _fsdp_params(model: nn.Module) -> list:
+    """FSDP2's record of each parameter it shards (``FSDPParam``), unit by unit."""
     found = []
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", lambda: None)()
@@ -246,8 +268,5 @@ def _unsharded_parameters(model: nn.Module) -> list[torch.Tensor]:
             group = getattr(state, "_fsdp_param_group", None) if state is not None else None
             groups = [group] if group is not None else []
         for group in groups:
-            for fsdp_param in getattr(group, "fsdp_params", []):
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    found.append(unsharded)
+            found.extend(getattr(group, "fsdp_params", []))
     return found
