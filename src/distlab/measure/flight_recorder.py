@@ -1,0 +1,182 @@
+"""torch's Flight Recorder, read: which collective each rank called at each sequence number, and the first one
+at which the ranks disagree.
+
+With ``TORCH_FR_BUFFER_SIZE=N`` in the environment when the process group is made (``TORCH_NCCL_TRACE_BUFFER_SIZE``
+is the older name), torch keeps each rank's last N collectives in a ring buffer: the process group, the
+collective's sequence number in that group, its name (``gloo:all_reduce``), the sizes and dtypes of its tensors,
+and the Python stack that called it. NCCL's watchdog writes the buffer to a file when a collective times out
+(``TORCH_NCCL_DUMP_ON_TIMEOUT``); with gloo, in torch 2.14, a rank writes it itself
+(:func:`write_dump`, on failure: :func:`dumped_on_failure`).
+
+torch's own analyzer (``python -m torch.distributed.flight_recorder.fr_trace``) stops on gloo's dumps with
+``KeyError: ('0', 0)``: it looks each entry's group up by the name the entry gives (``'0'``) among the groups the
+dump's ``pg_config`` lists, and a gloo dump lists its one group under the name ``''``. :func:`read_dump` needs no
+``pg_config``: it lines the ranks' calls up by (group, sequence number), as the analyzer does for NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
+"""How many collectives each rank keeps; 0 (the default) records nothing. Read when a process group is made."""
+DUMP_PREFIX = "rank_"
+"""A dump's file name before its rank, as NCCL's dump on timeout names them (``TORCH_FR_DUMP_TEMP_FILE``)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective one rank called, as its Flight Recorder kept it."""
+
+    rank: int
+    group: str
+    """The process group's name: ``'0'`` is the default group."""
+    sequence: int
+    """Its position among this rank's collectives in ``group``, from 1: the number the ranks' calls pair by."""
+    collective: str
+    """``all_reduce``, ``broadcast``, ``barrier``...: torch's name without the backend."""
+    sizes: tuple[tuple[int, ...], ...]
+    """Each input tensor's shape."""
+    where: str = ""
+    """The line that called it, outside torch (``failures.py:57 in mismatch``)."""
+
+    def describe(self) -> str:
+        shapes = ", ".join(str(list(size)) for size in self.sizes)
+        return f"{self.collective}({shapes})" + (f" at {self.where}" if self.where else "")
+
+
+def _caller(frames: list[dict]) -> str:
+    """The innermost frame outside torch: the line of the user's code that made the call."""
+    for frame in frames:
+        if "/torch/" not in "/" + frame["filename"]:  # a path under torch/, whole or cut to torch/...
+            return f"{Path(frame['filename']).name}:{frame['line']} in {frame['name']}"
+    return ""
+
+
+def calls_in(dump: dict, rank: int) -> list[Call]:
+    """A dump's collectives (point-to-point sends and receives left out: they pair by another count)."""
+    return [
+        Call(
+            rank=rank,
+            group=str(entry["process_group"][0]),
+            sequence=int(entry["collective_seq_id"]),
+            collective=entry["profiling_name"].split(":")[-1],
+            sizes=tuple(tuple(size) for size in entry["input_sizes"]),
+            where=_caller(entry.get("frames", [])),
+        )
+        for entry in dump["entries"]
+        if not entry.get("is_p2p")
+    ]
+
+
+def read_dump(path: Path | str) -> list[Call]:
+    """One rank's dump: torch's pickle, or the same dictionary as JSON; the rank is in its name (``rank_1``)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    dump = json.loads(raw) if path.suffix == ".json" else pickle.loads(raw)
+    return calls_in(dump, _rank_of(path))
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.name.removeprefix(DUMP_PREFIX).split(".")[0])
+
+
+def read_dumps(folder: Path | str) -> dict[int, list[Call]]:
+    """Every rank's dump in a folder, by rank."""
+    return {_rank_of(path): read_dump(path) for path in sorted(Path(folder).glob(f"{DUMP_PREFIX}*"))}
+
+
+def dump_now() -> dict:
+    """This rank's Flight Recorder buffer, as torch would write it to a file."""
+    from torch._C._distributed_c10d import _dump_fr_trace  # the gloo and NCCL recorder, torch >= 2.8
+
+    return pickle.loads(_dump_fr_trace())
+
+
+def write_dump(folder: Path | str, rank: int) -> Path:
+    """Write this rank's buffer as ``folder/rank_<rank>``, in torch's format (a pickle)."""
+    path = Path(folder) / f"{DUMP_PREFIX}{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(dump_now()))
+    return path
+
+
+@contextmanager
+def dumped_on_failure(folder: Path | str, rank: int) -> Iterator[None]:
+    """Write this rank's dump if the code inside raises (a collective that timed out), then let the error go on."""
+    try:
+        yield
+    except Exception:
+        write_dump(folder, rank)
+        raise
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first sequence number at which the ranks' calls differ, and the rank whose call is the odd one."""
+
+    group: str
+    sequence: int
+    rank: int
+    """The rank that called something else there, or nothing (its last call came before)."""
+    calls: dict[int, Call | None]
+    """Every rank's call at that sequence number (None: it never called one)."""
+
+    @property
+    def collective(self) -> str | None:
+        call = self.calls[self.rank]
+        return call.collective if call else None
+
+    def describe(self) -> str:
+        odd = self.calls[self.rank]
+        others = ", ".join(
+            f"rank {rank} called {call.describe()}"
+            for rank, call in sorted(self.calls.items())
+            if call and rank != self.rank
+        )
+        did = f"called {odd.describe()}" if odd else "never called it"
+        return f"collective #{self.sequence} of group {self.group!r}: rank {self.rank} {did}, where {others}"
+
+
+def _signature(call: Call) -> tuple[str, tuple]:
+    return call.collective, call.sizes
+
+
+def first_mismatch(dumps: dict[int, list[Call]]) -> Mismatch | None:
+    """Line the ranks' calls up by (group, sequence number) and return the first where they differ, or None.
+
+    Only the sequence numbers every rank's buffer still covers count (a ring buffer drops its oldest calls,
+    and not as many on every rank). A rank whose calls stop before a number the others reached never called
+    that collective: the others wait for it. Otherwise the odd rank is the one whose call (collective and
+    sizes) differs from the one most ranks made; when the ranks split evenly, the lowest rank's is the reference.
+    """
+    by_group: dict[str, dict[int, dict[int, Call]]] = {}
+    for rank, calls in dumps.items():
+        for call in calls:
+            by_group.setdefault(call.group, {}).setdefault(call.sequence, {})[rank] = call
+    found = []
+    for group, by_sequence in by_group.items():
+        ranks = sorted({rank for calls in by_sequence.values() for rank in calls})
+        first = {rank: min(s for s, calls in by_sequence.items() if rank in calls) for rank in ranks}
+        last = {rank: max(s for s, calls in by_sequence.items() if rank in calls) for rank in ranks}
+        for sequence in sorted(s for s in by_sequence if s >= max(first.values())):
+            calls = {rank: by_sequence[sequence].get(rank) for rank in ranks}
+            missing = [rank for rank in ranks if calls[rank] is None and last[rank] < sequence]
+            if missing:
+                found.append(Mismatch(group, sequence, missing[0], calls))
+                break
+            present = [rank for rank in ranks if calls[rank] is not None]
+            counts = Counter(_signature(calls[rank]) for rank in present)
+            if len(counts) > 1:
+                most = max(counts.values())
+                usual = next(_signature(calls[r]) for r in present if counts[_signature(calls[r])] == most)
+                odd = next(rank for rank in present if _signature(calls[rank]) != usual)
+                found.append(Mismatch(group, sequence, odd, calls))
+                break
+    return min(found, key=lambda m: (m.group != "0", m.sequence), default=None)  # the default group's first
