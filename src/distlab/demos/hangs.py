@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -32,9 +33,9 @@ from . import failures
 
 
 def late(runtime: Runtime, timeout_s: float) -> None:
-    """Rank 1 is stuck for twice the timeout before the barrier; rank 0 reports which rank never arrived."""
+    """Rank 1 is stuck past the timeout before the barrier; rank 0 reports which rank never arrived."""
     if runtime.rank == 1:
-        time.sleep(2 * timeout_s)  # e.g. a data loader waiting on a file system that hangs
+        time.sleep(timeout_s + 1)  # e.g. a data loader waiting on a file system that hangs
     dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
 
 
@@ -50,6 +51,16 @@ def stack_dumped_after(path: Path, seconds: float) -> Iterator[None]:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+
+def main_thread_stack(dump: str) -> list[str]:
+    """A faulthandler dump's main thread (the one that ran the module), innermost frame first, each frame as
+    ``file.py:line in function`` (paths cut to the file's name)."""
+    for thread in dump.split("\n\n"):
+        frames = re.findall(r'File "(.+?)", line (\d+) in (\S+)', thread)
+        if any(function == "<module>" for _, _, function in frames):
+            return [f"{Path(path).name}:{line} in {function}" for path, line, function in frames]
+    return []
 
 
 @dataclass

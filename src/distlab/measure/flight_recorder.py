@@ -1,23 +1,25 @@
 """torch's Flight Recorder, read: which collective each rank called at each sequence number, and the first one
 at which the ranks disagree.
 
-With ``TORCH_FR_BUFFER_SIZE=N`` in the environment when the process group is made (``TORCH_NCCL_TRACE_BUFFER_SIZE``
-is the older name), torch keeps each rank's last N collectives in a ring buffer: the process group, the
-collective's sequence number in that group, its name (``gloo:all_reduce``), the sizes and dtypes of its tensors,
-and the Python stack that called it. NCCL's watchdog writes the buffer to a file when a collective times out
-(``TORCH_NCCL_DUMP_ON_TIMEOUT``); with gloo, in torch 2.14, a rank writes it itself
-(:func:`write_dump`, on failure: :func:`dumped_on_failure`).
+torch keeps each rank's last collectives in a ring buffer, gloo's as well as NCCL's: the process group, the
+collective's sequence number in that group, its name (``gloo:all_reduce``), the sizes of its tensors, and the
+Python stack that called it. In torch 2.14 it keeps 2,000 (``TORCH_FR_BUFFER_SIZE``, ``FlightRecorder.hpp``; 0
+turns it off; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is the older name). NCCL's watchdog writes the buffer to a file
+when a collective times out (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``, files named ``TORCH_FR_DUMP_TEMP_FILE`` + rank);
+with gloo a rank writes it itself (:func:`write_dump`; on failure, :func:`dumped_on_failure`).
 
-torch's own analyzer (``python -m torch.distributed.flight_recorder.fr_trace``) stops on gloo's dumps with
-``KeyError: ('0', 0)``: it looks each entry's group up by the name the entry gives (``'0'``) among the groups the
-dump's ``pg_config`` lists, and a gloo dump lists its one group under the name ``''``. :func:`read_dump` needs no
-``pg_config``: it lines the ranks' calls up by (group, sequence number), as the analyzer does for NCCL.
+torch's own analyzer (``python -m torch.distributed.flight_recorder.fr_trace DIR -p rank_``) stops on gloo's
+dumps with ``KeyError: ('0', 0)``: it files each rank's groups under the names the dump's ``pg_config`` gives
+them, then looks each entry's group up by the name the entry gives (``components/builder.py``,
+``build_collectives``); a gloo dump lists its one group under ``''`` and its entries name it ``'0'``.
+:func:`first_mismatch` needs no ``pg_config``: it lines the ranks' calls up by (group, sequence number).
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
-"""How many collectives each rank keeps; 0 (the default) records nothing. Read when a process group is made."""
+"""How many collectives each rank keeps (2,000 unless set; 0: none). Read when a process group is made."""
 DUMP_PREFIX = "rank_"
-"""A dump's file name before its rank, as NCCL's dump on timeout names them (``TORCH_FR_DUMP_TEMP_FILE``)."""
+"""A dump's file name before its rank (``TORCH_FR_DUMP_TEMP_FILE`` sets NCCL's, e.g. ``/tmp/nccl_trace_rank_``)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def calls_in(dump: dict, rank: int) -> list[Call]:
 
 
 def read_dump(path: Path | str) -> list[Call]:
-    """One rank's dump: torch's pickle, or the same dictionary as JSON; the rank is in its name (``rank_1``)."""
+    """One rank's dump: torch's pickle, or the same dictionary as JSON; its name ends in its rank (``rank_1``)."""
     path = Path(path)
     raw = path.read_bytes()
     dump = json.loads(raw) if path.suffix == ".json" else pickle.loads(raw)
@@ -84,12 +86,12 @@ def read_dump(path: Path | str) -> list[Call]:
 
 
 def _rank_of(path: Path) -> int:
-    return int(path.name.removeprefix(DUMP_PREFIX).split(".")[0])
+    return int(re.search(r"(\d+)$", path.name.split(".")[0]).group(1))
 
 
-def read_dumps(folder: Path | str) -> dict[int, list[Call]]:
-    """Every rank's dump in a folder, by rank."""
-    return {_rank_of(path): read_dump(path) for path in sorted(Path(folder).glob(f"{DUMP_PREFIX}*"))}
+def read_dumps(folder: Path | str, prefix: str = DUMP_PREFIX) -> dict[int, list[Call]]:
+    """Every rank's dump in a folder, by rank (``prefix``: the file names before the rank)."""
+    return {_rank_of(path): read_dump(path) for path in sorted(Path(folder).glob(f"{prefix}*"))}
 
 
 def dump_now() -> dict:
@@ -148,30 +150,44 @@ def _signature(call: Call) -> tuple[str, tuple]:
     return call.collective, call.sizes
 
 
-def first_mismatch(dumps: dict[int, list[Call]]) -> Mismatch | None:
-    """Line the ranks' calls up by (group, sequence number) and return the first where they differ, or None.
-
-    Only the sequence numbers every rank's buffer still covers count (a ring buffer drops its oldest calls,
-    and not as many on every rank). A rank whose calls stop before a number the others reached never called
-    that collective: the others wait for it. Otherwise the odd rank is the one whose call (collective and
-    sizes) differs from the one most ranks made; when the ranks split evenly, the lowest rank's is the reference.
-    """
+def lined_up(dumps: dict[int, list[Call]]) -> dict[str, dict[int, dict[int, Call | None]]]:
+    """group -> sequence number -> rank -> its call there (None: it has none), for the sequence numbers every
+    rank's buffer still covers (a ring buffer drops its oldest calls, and not as many on every rank)."""
+    ranks = sorted(dumps)
     by_group: dict[str, dict[int, dict[int, Call]]] = {}
     for rank, calls in dumps.items():
         for call in calls:
             by_group.setdefault(call.group, {}).setdefault(call.sequence, {})[rank] = call
-    found = []
+    table = {}
     for group, by_sequence in by_group.items():
-        ranks = sorted({rank for calls in by_sequence.values() for rank in calls})
-        first = {rank: min(s for s, calls in by_sequence.items() if rank in calls) for rank in ranks}
-        last = {rank: max(s for s, calls in by_sequence.items() if rank in calls) for rank in ranks}
-        for sequence in sorted(s for s in by_sequence if s >= max(first.values())):
-            calls = {rank: by_sequence[sequence].get(rank) for rank in ranks}
-            missing = [rank for rank in ranks if calls[rank] is None and last[rank] < sequence]
+        members = [rank for rank in ranks if any(rank in calls for calls in by_sequence.values())]
+        covered = max(min(s for s, calls in by_sequence.items() if rank in calls) for rank in members)
+        table[group] = {
+            sequence: {rank: by_sequence[sequence].get(rank) for rank in members}
+            for sequence in sorted(by_sequence)
+            if sequence >= covered
+        }
+    return table
+
+
+def first_mismatch(dumps: dict[int, list[Call]]) -> Mismatch | None:
+    """The first sequence number at which the ranks' calls differ (in the default group first), or None.
+
+    A rank whose calls stop before a number the others reached never called that collective: the others wait
+    for it. Otherwise the odd rank is the one whose call (collective and sizes) differs from the one most ranks
+    made; when the ranks split evenly, the lowest rank's call is the reference.
+    """
+    found = []
+    for group, by_sequence in lined_up(dumps).items():
+        last = {
+            rank: max(s for s, calls in by_sequence.items() if calls[rank]) for rank in next(iter(by_sequence.values()))
+        }
+        for sequence, calls in by_sequence.items():
+            missing = [rank for rank, call in calls.items() if call is None and last[rank] < sequence]
             if missing:
                 found.append(Mismatch(group, sequence, missing[0], calls))
                 break
-            present = [rank for rank in ranks if calls[rank] is not None]
+            present = [rank for rank, call in calls.items() if call is not None]
             counts = Counter(_signature(calls[rank]) for rank in present)
             if len(counts) > 1:
                 most = max(counts.values())
