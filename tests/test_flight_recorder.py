@@ -89,18 +89,9 @@ def test_torchs_analyzer_stops_on_gloo_dumps_because_their_group_is_listed_under
 
 
 def _hang(case: str, folder: Path) -> subprocess.CompletedProcess:
-    command = torchrun_command(
-        2,
-        "distlab.demos.hangs",
-        "--case",
-        case,
-        "--dumps",
-        str(folder),
-        "--timeout-s",
-        str(TIMEOUT_S),
-        "--device",
-        "cpu",
-    )
+    timeout_s = LATE_TIMEOUT_S if case == "late" else TIMEOUT_S
+    options = ["--case", case, "--dumps", str(folder), "--timeout-s", str(timeout_s), "--device", "cpu"]
+    command = torchrun_command(2, "distlab.demos.hangs", *options)
     return run_job(command, timeout=120, env=launcher_environment(1))
 
 
