@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node=2 -m distlab.demos.hangs --case mismatch --dumps DIR --timeout-s 3
     torchrun --standalone --nproc_per_node=2 -m distlab.demos.hangs --case late --timeout-s 3
 
-``mismatch`` and ``skip`` are the cases of :mod:`distlab.demos.failures`, run with torch's Flight Recorder on:
-when a rank's collective fails, it writes its recorder's buffer to ``DIR/rank_<r>``
+``mismatch`` and ``skip`` are the cases of :mod:`distlab.demos.failures`, with torch's Flight Recorder (on by
+default in torch 2.14) read out: when a rank's collective fails, it writes its recorder's buffer to ``DIR/rank_<r>``
 (:func:`distlab.measure.flight_recorder.dumped_on_failure`), and half-way to the timeout every rank writes its
 Python stack to ``DIR/stack_<r>.txt`` (:func:`faulthandler.dump_traceback_later`), as a hung rank would show it
 to ``py-spy dump``. ``late``: rank 1 is stuck before the barrier (a data loader that hangs), and the barrier is
@@ -14,7 +14,6 @@ to ``py-spy dump``. ``late``: rank 1 is stuck before the barrier (a data loader 
 from __future__ import annotations
 
 import faulthandler
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -75,7 +74,6 @@ class HangsConfig:
 
 @entry_point(HangsConfig)
 def main(cfg: HangsConfig) -> None:
-    os.environ.setdefault(flight_recorder.BUFFER_VARIABLE, "64")  # read when the process group is made, below
     with distributed(cfg.where.device, cfg.where.backend, cfg.timeout_s) as runtime:
         if runtime.world_size < 2:
             raise DistlabError("ranks can only hang on each other if there are several: run with torchrun")

@@ -26,10 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-BUFFER_VARIABLE = "TORCH_FR_BUFFER_SIZE"
-"""How many collectives each rank keeps (2,000 unless set; 0: none). Read when a process group is made."""
 DUMP_PREFIX = "rank_"
-"""A dump's file name before its rank (``TORCH_FR_DUMP_TEMP_FILE`` sets NCCL's, e.g. ``/tmp/nccl_trace_rank_``)."""
+"""A dump's file name before its rank (``TORCH_FR_DUMP_TEMP_FILE`` sets the one NCCL's watchdog writes)."""
 
 
 @dataclass(frozen=True)
