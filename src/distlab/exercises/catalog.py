@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DistlabError
 
-CHAPTERS = ("first_run", "ddp", "pinned", "ring", "zero", "fsdp2", "costs", "troubleshooting")
+CHAPTERS = ("first_run", "ddp", "pinned", "ring", "zero", "fsdp2", "costs", "compile", "troubleshooting")
 """The modules of this package that hold exercises, in the book's order; each defines ``EXERCISES``."""
 
 
