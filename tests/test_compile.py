@@ -1,0 +1,186 @@
+"""The compile chapter (book/compile.md): DDPOptimizer's bucket rule, as the library predicts it, against the graphs
+a counting backend receives on real gloo ranks; which order of compiling and wrapping compiles anything, under DDP
+and FSDP2; the check that refuses a run that compiled nothing; and the page's program and picture."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from distlab import plots  # noqa: E402
+from distlab.errors import DistlabError  # noqa: E402
+from distlab.parallel.compiled import GraphCounter, strip_compiled_prefix  # noqa: E402
+from distlab.predict.compiled_ddp import MIB, ddp_optimizer_buckets, ddp_optimizer_graphs, linear_layer_bytes  # noqa: E402
+from support import run_page_program  # noqa: E402
+
+PAGE_MODEL = linear_layer_bytes([512] * 9)  # 8 x Linear(512, 512): 1 MiB and 2 KiB each
+
+
+def test_the_bucket_rule_on_the_pages_model_and_its_corners():
+    """Counted from the last layer, the first bucket 1 MiB, a bucket closed once it holds its cap (so a layer may
+    overflow it), a parameter-free preamble fused into the graph after it."""
+    assert [ddp_optimizer_graphs(PAGE_MODEL, cap * MIB) for cap in (1, 4, 25)] == [8, 3, 2]
+    assert ddp_optimizer_buckets(PAGE_MODEL, 25 * MIB) == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    # the last layer fills the 1 MiB first bucket; the 30 MiB layer overflows the second, which closes after it
+    assert ddp_optimizer_buckets([2 * MIB, 30 * MIB, MIB, MIB], 5 * MIB) == [[0], [1, 2], [3]]
+    assert ddp_optimizer_buckets([0, MIB, 0, MIB], 1 * MIB) == [[0, 1, 2], [3]]
+    assert ddp_optimizer_graphs(PAGE_MODEL, 25 * MIB, first_bucket_cap=25 * MIB) == 1
+    with pytest.raises(ValueError, match="First bucket should be smaller/equal"):
+        ddp_optimizer_graphs(PAGE_MODEL, MIB // 2)
+
+
+def test_a_run_that_compiled_nothing_is_refused_in_one_line():
+    """torch says nothing when no graph reaches the backend; the counter says what to do."""
+    counter = GraphCounter()
+    with pytest.raises(DistlabError) as refused:
+        counter.require_graphs("fully_shard(block), then block.compile()")
+    message = str(refused.value)
+    assert message.startswith("compiled nothing: fully_shard(block), then block.compile() handed the compiler no graph")
+    assert "torch.compile(block) and then fully_shard it" in message and "\n" not in message
+    counter(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [])
+    assert counter.require_graphs("anything") == 1
+    assert strip_compiled_prefix("blocks.0._orig_mod.fc.weight") == "blocks.0.fc.weight"
+
+
+class _MLP(torch.nn.Module):
+    """A model class of the test's own: its forward is not in torch/nn, so dynamo compiles it as a frame."""
+
+    def __init__(self, widths):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _sequential(widths):
+    return torch.nn.Sequential(
+        *[m for a, b in zip(widths, widths[1:]) for m in (torch.nn.Linear(a, b), torch.nn.ReLU())]
+    )
+
+
+def _ddp_graphs(widths, cap_mb, order, model_kind):
+    """Graphs a counting backend receives in one DDP step, compiled in ``order``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    counter, model = GraphCounter(), (_MLP if model_kind == "own class" else _sequential)(widths)
+    if order == "compile, then wrap":
+        net = DDP(torch.compile(model, backend=counter), bucket_cap_mb=cap_mb)
+    else:
+        net = torch.compile(DDP(model, bucket_cap_mb=cap_mb), backend=counter)
+    net(torch.randn(2, widths[0])).sum().backward()
+    torch._dynamo.reset()
+    return len(counter.graphs)
+
+
+WIDTHS = {"the page's 8 layers of 1 MiB": [512] * 9, "uneven layers": [256, 1024, 512, 128, 1024, 256]}
+CAPS_MB = (1, 3, 25)
+
+
+def _every_ddp_count(runtime):
+    counted = {
+        (name, cap_mb): _ddp_graphs(widths, cap_mb, "compile, then wrap", "own class")
+        for name, widths in WIDTHS.items()
+        for cap_mb in CAPS_MB
+    }
+    counted["own class, wrapped first"] = _ddp_graphs(WIDTHS["uneven layers"], 3, "wrap, then compile", "own class")
+    counted["Sequential, wrapped first"] = _ddp_graphs(WIDTHS["uneven layers"], 25, "wrap, then compile", "Sequential")
+    return counted
+
+
+@pytest.mark.slow
+def test_the_prediction_counts_the_graphs_dynamo_hands_the_backend(ranks2):
+    """DDPOptimizer's rule, written without torch, against real compiles inside DDP for several caps. Wrapped first,
+    a model class of the test's own is still compiled (its forward is a frame of its own after the graph breaks in
+    DDP's code), and cut the same; torch's own Sequential is never traced as a frame: nothing compiles."""
+    counted = ranks2.run(_every_ddp_count)
+    assert counted[0] == counted[1]
+    for name, widths in WIDTHS.items():
+        for cap_mb in CAPS_MB:
+            predicted = ddp_optimizer_graphs(linear_layer_bytes(widths), int(cap_mb * MIB))
+            assert counted[0][name, cap_mb] == predicted, (name, cap_mb, counted[0][name, cap_mb], predicted)
+    uneven = ddp_optimizer_graphs(linear_layer_bytes(WIDTHS["uneven layers"]), 3 * MIB)
+    assert counted[0]["own class, wrapped first"] == uneven
+    assert counted[0]["Sequential, wrapped first"] == 0
+
+
+def _fsdp_graphs(how):
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    counter, blocks = GraphCounter(), _sequential([64] * 5)
+    for i in range(0, len(blocks), 2):
+        if how == "fully_shard, then block.compile()":
+            fully_shard(blocks[i])
+            blocks[i].compile(backend=counter)
+        elif how == "block.compile(), then fully_shard":
+            blocks[i].compile(backend=counter)
+            fully_shard(blocks[i])
+        else:
+            blocks[i] = torch.compile(blocks[i], backend=counter)
+            fully_shard(blocks[i])
+    model = fully_shard(blocks)
+    for _ in range(2):
+        model(torch.randn(2, 64)).sum().backward()
+    keys = list(model.state_dict())
+    torch._dynamo.reset()
+    return len(counter.graphs), keys[0]
+
+
+def _every_fsdp_count(runtime):
+    hows = ("fully_shard, then block.compile()", "block.compile(), then fully_shard")
+    return {how: _fsdp_graphs(how) for how in (*hows, "torch.compile(block), then fully_shard")}
+
+
+@pytest.mark.slow
+def test_block_compile_compiles_nothing_under_fully_shard_in_either_order(ranks2):
+    """nn.Module.compile compiles the module's whole call, FSDP's dynamo-disabled hooks included, so the order does
+    not matter; torch.compile(block) puts the hooks on a wrapper, outside the compiled frame, and adds _orig_mod."""
+    counted = ranks2.run(_every_fsdp_count)[0]
+    assert counted["fully_shard, then block.compile()"] == (0, "0.weight")
+    assert counted["block.compile(), then fully_shard"] == (0, "0.weight")
+    graphs, key = counted["torch.compile(block), then fully_shard"]
+    assert graphs > 0 and key == "0._orig_mod.weight"
+
+
+@pytest.mark.slow
+def test_the_pages_program_prints_the_predicted_graphs_and_the_overlap(tmp_path):
+    """The page's run, and its picture drawn from the lines it printed: at cap 1 each graph's backward is followed
+    by its bucket's all-reduce, before the next graph's backward (overlap); at 25 the one bucket waits for both."""
+    done = run_page_program("compile.md", "compiled_step.py", tmp_path)
+    records = {r["label"]: r for r in plots.compile.compiled_step_records(done.stdout)}
+    one, many = records["compile, then DDP, bucket_cap_mb=1"], records["compile, then DDP, bucket_cap_mb=25"]
+    assert len(one["graphs"]) == ddp_optimizer_graphs(PAGE_MODEL, MIB) == 8
+    assert len(many["graphs"]) == ddp_optimizer_graphs(PAGE_MODEL, 25 * MIB) == 2
+    kinds = [kind for kind, _ in one["events"]]
+    assert kinds[:4] == ["backward", "all-reduce", "backward", "all-reduce"]
+    assert [kind for kind, _ in many["events"]] == ["backward", "backward", "all-reduce"]
+    wrapped = records["DDP, then compile, bucket_cap_mb=25"]
+    assert wrapped["graphs"] == [] and wrapped["breaks"] > 0
+    assert re.search(
+        r"FSDP2, fully_shard\(block\), then block.compile\(\): DistlabError: compiled nothing", done.stdout
+    )
+    assert re.search(
+        r"FSDP2, torch.compile\(block\), then fully_shard: \d+ graphs; keys 0._orig_mod.weight", done.stdout
+    )
+    fig = plots.plot_compiled_backward(done.stdout)
+    labels = [t.get_text() for t in fig.findobj(Text) if t.get_visible() and t.get_text()]
+    assert "compile, then DDP, bucket_cap_mb=1: 8 graphs" in labels and "eager backward: nothing compiled" in labels
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    width = struct.unpack(">I", buffer.getvalue()[16:20])[0]
+    assert width <= 688 and min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 9
+    plt.close("all")
