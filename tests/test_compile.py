@@ -184,3 +184,66 @@ def test_the_pages_program_prints_the_predicted_graphs_and_the_overlap(tmp_path)
     width = struct.unpack(">I", buffer.getvalue()[16:20])[0]
     assert width <= 688 and min(t.get_fontsize() for t in fig.findobj(Text) if t.get_text()) >= 9
     plt.close("all")
+
+
+def test_a_compile_backend_without_compile_is_refused_in_one_line():
+    """Parse only: the backend of a compile that is not asked for would be silently ignored."""
+    from distlab.config import TrainConfig
+
+    with pytest.raises(DistlabError, match="--compile-backend eager needs --compile: add --compile"):
+        TrainConfig.from_flags(compile_backend="eager")
+    assert TrainConfig.from_flags(compile=True, compile_backend="aot_eager", strategy="fsdp").model.compile
+
+
+def test_a_checkpoint_of_compiled_blocks_loads_into_the_uncompiled_model():
+    """torch.compile(block) adds _orig_mod. to the module's own state-dict keys; the course's checkpoint state
+    (torch's get_state_dict, which skips the compiler's prefix) names the tensors as the uncompiled model does, so
+    a checkpoint saved from one order loads in the other."""
+    from distlab.parallel.checkpoint_state import CheckpointState
+
+    def blocks(seed: int, compiled: bool) -> torch.nn.Sequential:
+        torch.manual_seed(seed)
+        model = _sequential([8, 8, 8])
+        if compiled:
+            model[0] = torch.compile(model[0], backend="eager")
+        return model
+
+    saved, loaded = blocks(0, compiled=True), blocks(1, compiled=False)
+    assert "0._orig_mod.weight" in saved.state_dict()
+    source = CheckpointState(saved, torch.optim.SGD(saved.parameters(), lr=0.1))
+    target = CheckpointState(loaded, torch.optim.SGD(loaded.parameters(), lr=0.1))
+    assert sorted(source.tensors["model"]) == sorted(target.tensors["model"]) == sorted(loaded.state_dict())
+    for key, tensor in source.tensors["model"].items():
+        target.tensors["model"][key].copy_(tensor)
+    target.apply()
+    assert all(torch.equal(loaded.state_dict()[strip_compiled_prefix(k)], v) for k, v in saved.state_dict().items())
+
+
+def _trained_weights(runtime, strategy: str, compiled: bool) -> dict:
+    from distlab.config import TrainConfig
+    from distlab.parallel import full_state_dict
+    from distlab.train import train
+
+    flags = dict(model="cnn", dataset="synthetic", device="cpu", synthetic_size=256, batch_size=8, max_steps=3)
+    flags |= dict(optimizer="sgd", lr=0.05, num_workers=0, log_every=-1, eval_batch_size=64, strategy=strategy)
+    if compiled:
+        flags |= dict(compile=True, compile_backend="aot_eager")
+    torch._dynamo.reset()
+    state = full_state_dict(train(TrainConfig.from_flags(**flags), runtime).model)
+    torch._dynamo.reset()
+    return state
+
+
+def _eager_and_compiled(runtime, strategy):
+    return _trained_weights(runtime, strategy, False), _trained_weights(runtime, strategy, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compile_trains_the_same_weights_as_eager(ranks2, strategy):
+    """--compile (aot_eager: dynamo and AOTAutograd, no C++ compiler) against the same run eager, within the
+    equivalence tests' tolerance."""
+    from distlab.testing import assert_same_state
+
+    eager, compiled = ranks2.run(_eager_and_compiled, strategy)[0]
+    assert_same_state(compiled, eager, label=f"{strategy} --compile")

@@ -74,3 +74,41 @@ COMPILED_PREFIX = "_orig_mod."
 def strip_compiled_prefix(key: str) -> str:
     """A state-dict key as the uncompiled model names it: ``blocks.0._orig_mod.fc.weight`` -> ``blocks.0.fc.weight``."""
     return key.replace(COMPILED_PREFIX, "")
+
+
+def compile_for_training(model: nn.Module, strategy: str, backend: str) -> GraphCounter:
+    """Compile a wrapped model where its strategy lets the compiler see what it needs, counting the graphs.
+
+    Under FSDP2, each shard unit's ``forward`` (:func:`compiled_forward`): FSDP's hooks stay in the unit's eager
+    ``__call__``, outside the compiled frame, as torchtitan's ``torch.compile(block)`` then ``fully_shard`` puts
+    them, and the state-dict keys stay the model's own. Otherwise the model inside any DDP-style wrapper
+    (``nn.Module.compile``, so that DDP's forward runs it and dynamo's DDPOptimizer cuts the graph at DDP's
+    buckets). The counter stays on the model for :func:`require_compiled`."""
+    from .checkpoint_state import unwrap
+
+    counter = GraphCounter(backend)
+    inner = unwrap(model)
+    if strategy == "fsdp":
+        for unit in inner.shard_units():
+            unit.forward = compiled_forward(unit.forward, counter)
+    else:
+        inner.compile(backend=counter)
+    model.distlab_graph_counter = counter
+    return counter
+
+
+def compiled_forward(forward: Callable, backend: Callable | str) -> Callable:
+    """``forward`` compiled inside a frame of distlab's own: dynamo skips a top-level frame whose code is in
+    ``torch/nn`` (``nn.Linear.forward``), but inlines it when a traced frame calls it."""
+
+    def call(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return torch.compile(call, backend=backend)
+
+
+def require_compiled(model: nn.Module, what: str) -> None:
+    """After a step of a model :func:`compile_for_training` compiled: a DistlabError if no graph was compiled."""
+    counter = getattr(model, "distlab_graph_counter", None)
+    if counter is not None:
+        counter.require_graphs(what)
