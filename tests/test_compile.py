@@ -247,3 +247,22 @@ def test_compile_trains_the_same_weights_as_eager(ranks2, strategy):
 
     eager, compiled = ranks2.run(_eager_and_compiled, strategy)[0]
     assert_same_state(compiled, eager, label=f"{strategy} --compile")
+
+
+def test_the_committed_compile_bench_says_what_it_measured():
+    """The page's sentence about compiled against eager comes from the committed result: a median outside eager's
+    quartiles is a difference, one inside them is none this run can show."""
+    from distlab.bench.compile import summary
+    from distlab.results import committed_results, read_result
+
+    record = read_result(committed_results("compile", "compile-inductor-2xcpu.json"))
+    said = summary(record["metrics"])
+    assert record["environment"]["world_size"] == 2 and record["config"]["compile_backend"] == "inductor"
+    assert said["compiled"].startswith("first step ") and said["verdict"] in (
+        "faster than eager",
+        "slower than eager",
+        "within eager's quartiles: no difference this run can show",
+    )
+    fake = {"rows": [dict(r) for r in record["metrics"]["rows"]]}
+    fake["rows"][1]["time_s"] = fake["rows"][0]["time_q1_s"] / 2
+    assert summary(fake)["verdict"] == "faster than eager"

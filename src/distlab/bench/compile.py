@@ -109,3 +109,21 @@ def main(cfg: CompileBenchConfig) -> None:
 
 if __name__ == "__main__":
     run_main(main)
+
+
+def summary(metrics: dict) -> dict[str, str]:
+    """What the chapter says of a result: each variant's first step and median step, and whether the compiled
+    median lies outside eager's quartiles (faster, slower) or inside them (no difference this run can show)."""
+    rows = {row["variant"]: row for row in metrics["rows"]}
+    eager, compiled = rows["eager"], rows["compiled"]
+    if compiled["time_s"] < eager["time_q1_s"]:
+        verdict = "faster than eager"
+    elif compiled["time_s"] > eager["time_q3_s"]:
+        verdict = "slower than eager"
+    else:
+        verdict = "within eager's quartiles: no difference this run can show"
+    return {
+        name: f"first step {row['first_step_s']:.2f} s, then {1e3 * row['time_s']:.1f} ms a step "
+        f"(quartiles {1e3 * row['time_q1_s']:.1f}-{1e3 * row['time_q3_s']:.1f})"
+        for name, row in rows.items()
+    } | {"verdict": verdict}
