@@ -80,7 +80,7 @@ EXERCISES = (
             "never_over_cap": "a layer joins the bucket even when it overflows the cap: DDPOptimizer checks the "
             "size before each layer and starts a new bucket only once the bucket already holds at least the cap.",
             "total_over_cap": "the graphs are not the total bytes over the cap: buckets hold whole layers, a layer "
-            "larger than the cap is a graph alone, and the first bucket's cap is 1 MiB.",
+            "larger than the cap closes the bucket it joins, and the first bucket's cap is 1 MiB.",
         },
     ),
 )

@@ -7,8 +7,8 @@ walks the graph's nodes from the last to the first, the order in which backward 
 each node's parameter bytes to the current bucket, and starts a new bucket at the next node once the current one
 holds at least the cap. The first bucket's cap is ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB): the
 call passes no ``first_bucket_cap``. A bucket may therefore overflow its cap by the last parameters it took, and a
-parameter larger than the cap is a bucket alone. Each bucket becomes one subgraph, compiled apart, so that its
-gradients are ready, and DDP's hook can start their all-reduce, before the earlier subgraphs' backward runs.
+parameter larger than the cap closes the bucket it joins. Each bucket becomes one subgraph, compiled apart, so that
+its gradients are ready, and DDP's hook can start their all-reduce, before the earlier subgraphs' backward runs.
 
 This is that rule on a chain of layers (each layer's parameters used by one node, as a ``Linear``'s weight and
 bias are), without torch: ``tests/test_compile.py`` checks it against the graphs a counting backend receives.
