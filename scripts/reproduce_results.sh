@@ -70,8 +70,10 @@ for item in "${what[@]}"; do
         for n in 1 2 4; do
             run "$n" distlab.bench.sweep --out book/results/sweep
         done ;;
+    compile)  # a DDP step compiled by inductor (gcc) against eager, and each rank's first (compiling) step
+        run 2 distlab.bench.compile --out book/results/compile ;;
     *)
-        echo "reproduce_results: unknown item $item (use ring, shard, step, memory, fsdp, ddp, bad-inputs, sweep)" >&2
+        echo "reproduce_results: unknown item $item (use ring, shard, step, memory, fsdp, ddp, bad-inputs, sweep, compile)" >&2
         exit 2 ;;
     esac
 done

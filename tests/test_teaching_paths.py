@@ -20,6 +20,7 @@ CORE = (
     "ddp_vs_fsdp",
     "pinned_memory",
     "practice",
+    "compile",
     "checkpointing",
     "fp16",
 )

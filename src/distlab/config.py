@@ -27,6 +27,14 @@ class ModelConfig:
         "keep only each shard unit's input in forward and recompute the rest in backward "
         "(torch.utils.checkpoint per GPT block or CNN layer): less activation memory, one more forward",
     )
+    compile: bool = option(
+        False,
+        "torch.compile the model: under ddp the module inside DDP (dynamo then cuts the graph at DDP's buckets), "
+        "under fsdp each shard unit; refused by the strategies it does not run with",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = option(
+        "inductor", "--compile: inductor (generated C++ on the CPU: needs a C++ compiler), aot_eager or eager (none)"
+    )
     meta_init: Literal["auto", "on", "off"] = option(
         "auto",
         "build the model on the meta device (no memory), shard it, then initialise only this rank's shards; "
@@ -239,6 +247,9 @@ class TrainConfig:
             )
         self._validate_strategy_options()
         self._validate_checkpoint_options()
+        if self.model.compile_backend != "inductor" and not self.model.compile:
+            backend = self.model.compile_backend
+            raise DistlabError(f"--compile-backend {backend} needs --compile: add --compile, or leave the backend out")
         if model_input_kind(self.model.name) == "tokens":
             if self.data.dataset != "synthetic":
                 raise DistlabError(

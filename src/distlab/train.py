@@ -40,6 +40,7 @@ from .models import (
     model_input_kind,
 )
 from .parallel import Strategy, full_state_dict, make_strategy
+from .parallel.compiled import compile_for_training, require_compiled
 from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, synchronize
 
 # The optimizer step whose memory is measured: the second, since the first
@@ -225,7 +226,10 @@ def build_model_for(cfg: TrainConfig, runtime: Runtime, strategy: Strategy, spec
     if cfg.model.activation_checkpointing:
         checkpoint_activations(meta, cfg.model.name)
     sharded_init = {"on": True, "off": False}.get(cfg.model.meta_init, parameters >= META_INIT_FROM_PARAMETERS)
-    return strategy.build(meta, runtime, cfg.training.seed, sharded_init), parameters
+    model = strategy.build(meta, runtime, cfg.training.seed, sharded_init)
+    if cfg.model.compile:
+        compile_for_training(model, cfg.parallel.strategy, cfg.model.compile_backend)
+    return model, parameters
 
 
 def build_run(cfg: TrainConfig, runtime: Runtime) -> Run:
@@ -434,6 +438,7 @@ def train(cfg: TrainConfig, runtime: Runtime, state: TrainState | None = None) -
             f"test loss {record['test_loss']:.4f} acc {100 * record['test_accuracy']:.2f}% | "
             f"{record['epoch_time_s']:.1f}s, {record['samples_per_s']:,.0f} samples/s"
         )
+    require_compiled(run.model, f"--compile with --strategy {cfg.parallel.strategy}")
     tolerance.at_end(state)
     return TrainResult(run.model, state, run.parameters, tolerance.log.summary())
 

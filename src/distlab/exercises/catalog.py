@@ -23,6 +23,7 @@ CHAPTERS = (
     "fsdp2",
     "costs",
     "accumulation",
+    "compile",
     "checkpointing",
     "fp16",
     "troubleshooting",

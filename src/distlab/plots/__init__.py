@@ -21,6 +21,7 @@ from .collectives import (
     step_call_order,
 )
 from .common import jshtml, run_label
+from .compile import plot_compiled_backward as plot_compiled_backward
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .fp16 import plot_scaler_run, plot_underflow
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
