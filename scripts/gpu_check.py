@@ -103,7 +103,8 @@ def run_tier(out: Path, selection: str, timeout_s: float) -> tuple[int, str]:
     """pytest on the GPU tier, its output in tier.log; the exit status and one line."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1", DISTLAB_GPU_CHECK_REPORT=str(out / "report"))  # fmt: skip
-    tier = ["tests/test_gpu.py", "tests/test_gpu_labs.py", "tests/test_gpu_fp16.py"]  # tests/conftest.py's GPU_FILES
+    # tests/conftest.py's GPU_FILES
+    tier = ["tests/test_gpu.py", "tests/test_gpu_labs.py", "tests/test_gpu_fp16.py", "tests/test_gpu_compile.py"]
     command = [sys.executable, "-m", "pytest", "-m", SELECTIONS[selection], *tier,
                "-rA", "--durations=0", f"--junitxml={out / 'tier.xml'}", "-p", "no:cacheprovider"]  # fmt: skip
     with open(out / "tier.log", "w") as log:

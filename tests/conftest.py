@@ -16,7 +16,7 @@ from distlab.testing import RankPool
 
 GPU_TIER = ("gpu", "gpu and quick")
 """The GPU tier's two sizes (the files of GPU_FILES): everything, and the quick selection."""
-GPU_FILES = ("test_gpu.py", "test_gpu_labs.py", "test_gpu_fp16.py")
+GPU_FILES = ("test_gpu.py", "test_gpu_labs.py", "test_gpu_fp16.py", "test_gpu_compile.py")
 """The files ``pytest -m gpu`` collects; scripts/gpu_check.py names the same."""
 OTHER_TIERS = ("slow", "stress", "kaggle")
 """The tiers CI runs beside the default one, in the order the end of a default run names them."""

@@ -4,8 +4,6 @@ step train on stale weights without an error; distlab's optimizer refuses."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from distlab.demos.fsdp_mistakes import run_all
