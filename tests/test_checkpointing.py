@@ -82,6 +82,7 @@ def test_one_block_or_the_whole_model_checkpointed_saves_nothing_at_the_peak():
         checkpointed_activation_bytes(1, 1, 0, True)
 
 
+@pytest.mark.slow  # a page's torchrun program (CONTRIBUTING: torchrun itself); the build runs it too
 def test_reentrant_checkpointing_fails_under_find_unused_parameters_and_the_rest_train(tmp_path):
     """The page's DDP table, as its program prints it on two gloo ranks: the reentrant checkpoint's blocks are
     unreached by find_unused_parameters' walk, marked ready in advance, and marked again by the nested backward."""

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from support import run_page_program
 
 
+@pytest.mark.slow  # a page's torchrun program (CONTRIBUTING: torchrun itself); the build runs it too
 def test_the_first_program_learns_and_ends_with_the_same_weights_on_every_rank(tmp_path):
     done = run_page_program("ddp.md", "ddp_minimal.py", tmp_path)
     for rank in (0, 1):

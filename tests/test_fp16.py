@@ -84,6 +84,7 @@ def test_a_skipped_step_halves_the_scale_and_clean_steps_double_it(tmp_path):
     assert [line.split(", ")[2] for line in expected].count("skipped") == 3
 
 
+@pytest.mark.slow  # a page's torchrun program (CONTRIBUTING: torchrun itself); the build runs it too
 def test_one_ranks_inf_lets_the_plain_scalers_ranks_diverge_and_not_the_sharded_ones(tmp_path):
     """On two gloo ranks, rank 1's shard alone overflows: the plain GradScaler on plain shards steps rank 0 and
     skips rank 1 (their scales differ after); ShardedGradScaler skips both; FSDP2's DTensor gradients share the

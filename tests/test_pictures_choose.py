@@ -107,6 +107,7 @@ def test_the_bytes_per_value_table_is_the_cost_models_collectives():
     assert "units, n = [[(512, 512)]] * 4 + [[]], 2" in cell
 
 
+@pytest.mark.slow  # a page's torchrun program (CONTRIBUTING: torchrun itself); the build runs it too
 def test_the_chapters_first_program_prints_what_each_strategy_really_holds_and_sends(tmp_path):
     """The page's program on two gloo ranks: DDP holds the whole 4.01 MiB and sends it in one all-reduce; FSDP2
     holds half and sends 1.5x in one dtype, 8 all-gathers (each of 4 units in forward and backward) and 4

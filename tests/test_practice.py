@@ -30,6 +30,7 @@ PAGE = ROOT / "book" / "practice.md"
 EVERY, TRAINABLE = 4 * (512 * 512 + 512 + 2 * 8 * 512), 4 * 2 * 8 * 512  # four frozen layers and rank-8 adapters
 
 
+@pytest.mark.slow  # a page's torchrun program (CONTRIBUTING: torchrun itself); the build runs it too
 def test_the_frozen_base_program_counts_what_the_prediction_says(tmp_path):
     """DDP all-reduces only the adapters' gradients; FSDP2 gathers every block twice, frozen weights too, and
     reduce-scatters the adapters': the counter's bytes on each rank are the prediction's, to the byte."""
