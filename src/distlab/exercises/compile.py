@@ -18,6 +18,8 @@ MODELS = (
     ("an embedding of 32 MiB, then 6 layers of 2 MiB", [32 * MIB] + [2 * MIB] * 6),
     ("widening: 0.5, 1, 2, 4, 8 MiB", [MIB // 2, MIB, 2 * MIB, 4 * MIB, 8 * MIB]),
     ("narrowing: 8, 4, 2, 1, 0.5 MiB", [8 * MIB, 4 * MIB, 2 * MIB, MIB, MIB // 2]),
+    ("ten layers of 1,000,000 bytes, just under 1 MiB", [10**6] * 10),  # 2**20 and 10**6 cut them apart
+    ("a dropout (no parameters), then four layers of 2 MiB", [0] + [2 * MIB] * 4),
 )
 CAPS_MB = (1, 3, 5, 25)
 
@@ -33,9 +35,22 @@ def _closing_before_overflow(layer_bytes: list[int], cap: int) -> int:
     return graphs
 
 
+def _walk(layer_bytes: list[int], cap: int, first_cap: int, front_joins: bool = True) -> int:
+    """The rule with its constants as a mistake may take them: its caps, and whether parameterless layers at the
+    front join the graph after them."""
+    graphs, size = 1, 0
+    for nbytes in reversed(layer_bytes):
+        if size >= (first_cap if graphs == 1 else cap):
+            graphs, size = graphs + 1, 0
+        size += nbytes
+    return graphs - (front_joins and graphs > 1 and size == 0)
+
+
 def _mistakes(layer_bytes: list[int], cap_mb: float) -> list[tuple[str, int]]:
     cap = int(cap_mb * MIB)
     return [
+        ("megabytes", _walk(layer_bytes, int(cap_mb * 10**6), 10**6)),
+        ("empty_front_graph", _walk(layer_bytes, cap, MIB, front_joins=False)),
         ("first_bucket_cap_ignored", ddp_optimizer_graphs(layer_bytes, cap, first_bucket_cap=cap)),
         ("forward_order", ddp_optimizer_graphs(layer_bytes[::-1], cap)),
         ("never_over_cap", _closing_before_overflow(layer_bytes, cap)),
@@ -75,6 +90,10 @@ EXERCISES = (
             "first_bucket_cap_ignored": "the first bucket (the last layers, whose gradients are ready first) closes "
             "at 1 MiB whatever bucket_cap_mb says: dynamo builds DDPOptimizer without a first_bucket_cap, so it "
             "takes torch.distributed._DEFAULT_FIRST_BUCKET_BYTES.",
+            "megabytes": "bucket_cap_mb counts mebibytes: DDP multiplies it by 1024 * 1024, and the first bucket "
+            "is 2**20 bytes, so a layer of 1,000,000 bytes does not fill it.",
+            "empty_front_graph": "layers without parameters before the first layer that has some open no graph "
+            "of their own: with no bytes to reduce they join the graph after them.",
             "forward_order": "count from the last layer: DDPOptimizer walks the graph in reverse, the order in "
             "which backward makes the gradients ready.",
             "never_over_cap": "a layer joins the bucket even when it overflows the cap: DDPOptimizer checks the "
