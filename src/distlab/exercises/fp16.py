@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from .catalog import Exercise
 from .trial import Trial
 
-INIT_SCALE, GROWTH_INTERVAL, LR, STEPS = 2.0**14, 2, 0.1, 4
-"""Two clean steps, the scale doubles to 32,768, the last rank's gradient overflows there (2.5 x 32,768 > 65,504),
-the step is skipped on every rank and the scale halves; then a clean step again."""
+INIT_SCALE, GROWTH_INTERVAL, CLEAN_AT_START, LR, STEPS = 2.0**15, 2, 1, 0.1, 5
+"""One clean step already counted (a run resumed mid-count); the last rank's gradient overflows at 32,768
+(2.5 x 32,768 > 65,504), so the first step is skipped on every rank, the scale halves and the count starts again;
+two clean steps double it back, and it overflows once more; then a clean step. An answer that does not start the
+count again after a skip doubles the scale one step early."""
 
 
 def _loss_weights(rank: int, world: int) -> list[float]:
@@ -48,6 +50,8 @@ def _reference(world: int) -> list[dict]:
     weights = torch.tensor([w for r in range(world) for w in _loss_weights(r, world)])
     optimizer = torch.optim.SGD([whole], lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    scaler.load_state_dict({"scale": INIT_SCALE, "growth_factor": 2.0, "backoff_factor": 0.5,
+                            "growth_interval": GROWTH_INTERVAL, "_growth_tracker": CLEAN_AT_START})  # fmt: skip
     steps = []
     for _ in range(STEPS):
         before = whole.detach().clone()
@@ -73,7 +77,7 @@ def loss_scaled_step_trial(t: Trial, fn) -> None:
     shard = torch.nn.Parameter(_start(r).to(t.device))
     weights = torch.tensor(_loss_weights(r, n), device=t.device)
     optimizer = torch.optim.SGD([shard], lr=LR)
-    scaler = {"scale": INIT_SCALE, "growth_interval": GROWTH_INTERVAL, "clean_steps": 0}
+    scaler = {"scale": INIT_SCALE, "growth_interval": GROWTH_INTERVAL, "clean_steps": CLEAN_AT_START}
     scale = INIT_SCALE
     for step, want in enumerate(reference):
         with t.case(f"step {step + 1} at scale {scale:,.0f}"):
@@ -81,23 +85,27 @@ def loss_scaled_step_trial(t: Trial, fn) -> None:
             shard.grad = None
             t.call(fn, _loss(shard, weights, t.device.type), optimizer, scaler)
             got = shard.detach().cpu()
-            _check_step(t, got, before, want, mine, scale, step)
+            _check_step(t, got, before, want, mine, scale, step, weights.cpu())
             _check_scale(t, scaler, want, scale)
             scale = want["scale"]
     skipped = [k + 1 for k, want in enumerate(reference) if not want["stepped"]]
-    t.note(f"step {', '.join(map(str, skipped))} was skipped on every rank: rank {n - 1}'s shard overflowed fp16 at "
-           f"the grown scale; the scale went {INIT_SCALE:,.0f}, then {reference[1]['scale']:,.0f}, then back to "
-           f"{reference[2]['scale']:,.0f}.")  # fmt: skip
+    scales = ", ".join(f"{s:,.0f}" for s in [INIT_SCALE, *(want["scale"] for want in reference)])
+    t.note(f"steps {' and '.join(map(str, skipped))} were skipped on every rank: rank {n - 1}'s shard overflowed fp16 "
+           f"at 32,768; the scale went {scales}.")  # fmt: skip
 
 
 def _check_step(t: Trial, got: torch.Tensor, before: torch.Tensor, want: dict, mine: slice, scale: float,
-                step: int) -> None:  # fmt: skip
+                step: int, weights: torch.Tensor) -> None:  # fmt: skip
     n, r = t.world_size, t.rank
     what = f"shard after step {step + 1}"
     if not torch.isfinite(got).all():
         t.fail(what, f"it holds {int((~torch.isfinite(got)).sum())} inf or NaN values: the optimizer stepped with "
                "this rank's inf gradient", "stepped_on_inf")  # fmt: skip
     stepped = not torch.equal(got, before)
+    if not want["stepped"] and stepped and torch.allclose(got - before, -LR * weights[:, None].expand_as(got) / scale,
+                                                          rtol=1e-2, atol=1e-12):  # fmt: skip
+        t.fail(what, f"it stepped, {scale:,.0f} times too little, where every rank should have skipped: the loss was "
+               "never multiplied by the scale, so no gradient overflowed", "loss_not_scaled")  # fmt: skip
     if not want["stepped"] and stepped:
         holders = [s for s in range(n) if _own_inf(s, n, scale)]
         if r not in holders:
@@ -120,6 +128,9 @@ def _check_scale(t: Trial, scaler: dict, want: dict, scale: float) -> None:
     if not isinstance(got, (int, float)) or isinstance(got, bool):
         t.fail("scaler['scale']", f"it is {type(got).__name__}, not a number", "scale_not_a_number")
     if got == want["scale"]:
+        if not want["stepped"] and scaler.get("clean_steps") != want["clean_steps"]:
+            t.fail("scaler['clean_steps']", f"it is {scaler.get('clean_steps')!r} after a skipped step, expected "
+                   f"{want['clean_steps']}: the count went on from before the skip", "count_not_restarted")  # fmt: skip
         if scaler.get("clean_steps") != want["clean_steps"]:
             t.fail("scaler['clean_steps']", f"it is {scaler.get('clean_steps')!r}, expected {want['clean_steps']}",
                    None)  # fmt: skip
@@ -127,6 +138,9 @@ def _check_scale(t: Trial, scaler: dict, want: dict, scale: float) -> None:
     if not want["stepped"] and got == scale:
         t.fail("scaler['scale']", f"it stayed {scale:,.0f} after a skipped step; torch's scaler halves it to "
                f"{want['scale']:,.0f}", "scale_not_backed_off")  # fmt: skip
+    if want["stepped"] and want["scale"] == scale and got == 2 * scale:
+        t.fail("scaler['scale']", f"it doubled to {got:,.0f} one clean step early: the count of clean steps went on "
+               "from before the skipped step", "count_not_restarted")  # fmt: skip
     if want["scale"] > scale and got == scale:
         t.fail("scaler['scale']", f"it stayed {scale:,.0f} after {GROWTH_INTERVAL} clean steps in a row; torch's "
                f"scaler doubles it to {want['scale']:,.0f}", "scale_not_grown")  # fmt: skip
@@ -141,7 +155,8 @@ EXERCISES = (
         "scaler['scale'], divide every gradient by that scale, find whether any gradient of this rank is inf or NaN, "
         "share that across the ranks with an all-reduce, then skip the step and halve the scale if any rank found "
         "one, or else step the optimizer and count a clean step, doubling the scale after "
-        "scaler['growth_interval'] clean steps in a row (and starting the count again).",
+        "scaler['growth_interval'] clean steps in a row (and starting the count again). scaler['clean_steps'] "
+        "holds the clean steps counted so far.",
         signature="def loss_scaled_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: dict) -> None:",
         solution="fp16.loss_scaled_step",
         library="torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
@@ -161,6 +176,8 @@ EXERCISES = (
             "Backward (loss * scaler['scale']), then divide.",
             "scale_not_backed_off": "after a skipped step the scale stays too large, so the next step overflows "
             "again. Halve scaler['scale'] and set scaler['clean_steps'] to 0 when any rank found an inf.",
+            "count_not_restarted": "a skipped step starts the count of clean steps again: set scaler['clean_steps'] "
+            "to 0 when any rank found an inf, so that growth_interval clean steps in a row come after it.",
             "scale_not_grown": "the scale never grows back. Count clean steps in scaler['clean_steps'] and double "
             "the scale when the count reaches scaler['growth_interval'], then start the count again.",
             "skipped_without_inf": "a step was skipped though no rank found an inf. Skip only when the shared "
