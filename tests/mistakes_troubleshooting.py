@@ -72,6 +72,19 @@ def ignores_sizes(dumps):
     return _by_sequence(dumps, same)
 
 
+def counts_dropped_calls_as_missing(dumps):
+    calls = [{call.sequence: call for call in dumps[rank]} for rank in (0, 1)]
+    first = min(min(rank_calls) for rank_calls in calls)  # from the oldest call any rank holds
+    for sequence in range(first, max(max(rank_calls) for rank_calls in calls) + 1):
+        mine = [rank_calls.get(sequence) for rank_calls in calls]
+        for rank in (0, 1):
+            if mine[rank] is None:
+                return rank, sequence, None
+        if (mine[0].collective, mine[0].sizes) != (mine[1].collective, mine[1].sizes):
+            return 1, sequence, mine[1].collective
+    return None
+
+
 MISTAKES = [
     ("agree_to_skip", skip_alone, "local_decision", "decided from its own batch"),
     ("agree_to_skip", skip_when_all_agree, "needs_every_rank", "One bad batch anywhere is enough"),
@@ -81,4 +94,5 @@ MISTAKES = [
     ("mismatched_collective", paired_by_position, "by_position", "pair them by call.sequence"),
     ("mismatched_collective", names_the_waiting_rank, "waiting_rank", "you named the rank that waits"),
     ("mismatched_collective", ignores_sizes, "ignored_sizes", "Compare call.sizes"),
+    ("mismatched_collective", counts_dropped_calls_as_missing, "dropped_as_missing", "was not missed"),
 ]

@@ -145,7 +145,9 @@ def mismatch_trial(t: Trial, fn) -> None:
             expected = (found.rank, found.sequence, found.collective) if found else None
             if got != expected:
                 waiting = found and found.collective is None and got and got[0] != found.rank
-                mistake = "waiting_rank" if waiting else likely
+                held_by_all = max(min(call.sequence for call in calls) for calls in dumps.values())
+                dropped = bool(got) and got[2] is None and got[1] < held_by_all  # a call a ring buffer let go
+                mistake = "dropped_as_missing" if dropped else "waiting_rank" if waiting else likely
                 t.fail("answer", f"got {got}, expected {expected}", mistake)
 
 
@@ -201,6 +203,9 @@ EXERCISES = (
         mistakes={
             "by_position": "you paired the ranks' calls by their place in each list. A ring buffer keeps each rank's "
             "last N calls, not the same ones on every rank: pair them by call.sequence.",
+            "dropped_as_missing": "you named a call older than the oldest one every rank still holds. A ring buffer "
+            "drops a rank's oldest calls; such a call was not missed. Start at the highest first sequence number "
+            "across the ranks.",
             "waiting_rank": "you named the rank that waits: its last call is the one nobody matched. Name the rank "
             "whose calls stop before that sequence number: it never got there (its collective is None).",
             "ignored_sizes": "the two ranks called the same collective on tensors of different sizes. "
