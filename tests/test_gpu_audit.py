@@ -27,12 +27,12 @@ def test_p6_fsdp_options_measures_each_options_device_peak_with_that_option_alon
     option is the only trainee alive, after one warm-up step, with what was allocated before it was built. GPU
     twin: ``tests/test_gpu.py::test_the_gpu_report_runs_every_part_that_should_and_says_so`` (offload's peak below
     the default's)."""
-    seen = {}
+    seen = []  # one entry per measurement: keyed by id(), a trainee freed before the next is built can lend it its id
 
     def fake_measure(trainee, tokens, targets, runtime, warmup, resident_before):
         gc.collect()
         alive = [obj for obj in gc.get_objects() if issubclass(type(obj), step.Trainee)]
-        seen[id(trainee)] = (len(alive), warmup, resident_before)
+        seen.append((len(alive), warmup, resident_before))
         return [{"max_allocated": 1, "max_reserved": 2, "resident_before": resident_before}]
 
     peaks = step.DevicePeaks(fake_measure, lambda: 7, lambda: None)
@@ -40,7 +40,7 @@ def test_p6_fsdp_options_measures_each_options_device_peak_with_that_option_alon
     fsdp_options.main(["--model", "gpt-tiny", "--variants", "fsdp,offload,checkpointing", "--steps", "1",
                        "--warmup", "0", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
                        "--out", str(tmp_path), "--name", "options"])  # fmt: skip
-    assert sorted(seen.values()) == [(1, 1, 7)] * 3, seen
+    assert seen == [(1, 1, 7)] * 3, seen
     rows = read_result(tmp_path / "options.json")["metrics"]["variants"]
     assert [row["variant"] for row in rows] == ["fsdp", "offload", "checkpointing"]
     assert all(row["cuda_memory"] == [{"max_allocated": 1, "max_reserved": 2, "resident_before": 7}] for row in rows)
