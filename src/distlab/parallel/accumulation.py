@@ -36,8 +36,10 @@ def token_weighted_micro_steps(
     backward's gradients on the rank (torch DDP's ``model.no_sync``; a strategy's ``lambda: strategy.no_sync(model)``,
     FSDP2's ``set_requires_gradient_sync(False)``): only the last micro-step synchronises. The one extra
     collective is an all-reduce of a single number, the step's tokens, before the first backward."""
-    tokens = torch.tensor(
-        sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches), dtype=torch.float64
+    tokens = torch.tensor(  # on the batches' device: a plain NCCL group reduces only CUDA tensors
+        sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches),
+        dtype=torch.float64,
+        device=micro_batches[0][1].device,
     )
     dist.all_reduce(tokens)  # every micro-batch's tokens, on every rank
     # The synchronisation averages over the N ranks; times N, their mean of the sums is the sum.

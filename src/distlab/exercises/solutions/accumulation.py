@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 
 def token_weighted_accumulation(model, micro_batches) -> None:
-    tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)))
+    device = micro_batches[0][1].device  # where the batches are: a plain NCCL group reduces only CUDA tensors
+    tokens = torch.tensor(float(sum(int((y != -100).sum()) for _, y in micro_batches)), device=device)
     dist.all_reduce(tokens)  # the step's tokens: every micro-batch, every rank
     scale = dist.get_world_size() / tokens  # DDP divides the sum over ranks by N: multiply by N first
     last = len(micro_batches) - 1
