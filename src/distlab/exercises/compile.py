@@ -35,22 +35,21 @@ def _closing_before_overflow(layer_bytes: list[int], cap: int) -> int:
     return graphs
 
 
-def _walk(layer_bytes: list[int], cap: int, first_cap: int, front_joins: bool = True) -> int:
-    """The rule with its constants as a mistake may take them: its caps, and whether parameterless layers at the
-    front join the graph after them."""
+def _front_opens_a_graph(layer_bytes: list[int], cap: int) -> int:
+    """The rule without its preamble step: parameterless layers at the front keep a graph of their own."""
     graphs, size = 1, 0
     for nbytes in reversed(layer_bytes):
-        if size >= (first_cap if graphs == 1 else cap):
+        if size >= (MIB if graphs == 1 else cap):
             graphs, size = graphs + 1, 0
         size += nbytes
-    return graphs - (front_joins and graphs > 1 and size == 0)
+    return graphs
 
 
 def _mistakes(layer_bytes: list[int], cap_mb: float) -> list[tuple[str, int]]:
     cap = int(cap_mb * MIB)
     return [
-        ("megabytes", _walk(layer_bytes, int(cap_mb * 10**6), 10**6)),
-        ("empty_front_graph", _walk(layer_bytes, cap, MIB, front_joins=False)),
+        ("megabytes", ddp_optimizer_graphs(layer_bytes, int(cap_mb * 10**6), first_bucket_cap=10**6)),
+        ("empty_front_graph", _front_opens_a_graph(layer_bytes, cap)),
         ("first_bucket_cap_ignored", ddp_optimizer_graphs(layer_bytes, cap, first_bucket_cap=cap)),
         ("forward_order", ddp_optimizer_graphs(layer_bytes[::-1], cap)),
         ("never_over_cap", _closing_before_overflow(layer_bytes, cap)),
