@@ -266,3 +266,14 @@ def test_the_committed_compile_bench_says_what_it_measured():
     fake = {"rows": [dict(r) for r in record["metrics"]["rows"]]}
     fake["rows"][1]["time_s"] = fake["rows"][0]["time_q1_s"] / 2
     assert summary(fake)["verdict"] == "faster than eager"
+
+
+def test_the_gpu_tiers_compile_command_line_parses_on_the_cpu():
+    """The GPU tier's bench command (tests/test_gpu_compile.py, which only a GPU runs) parses here, before any rank
+    would start: a refused flag would otherwise show first on a GPU."""
+    from distlab.cli import parse_or_refuse
+    from distlab.labs.launch import entry_config
+    from test_gpu_compile import CUDA_ARGS
+
+    cfg = parse_or_refuse(entry_config("distlab.bench.compile"), [*CUDA_ARGS, "--out", "x"], "distlab.bench.compile")
+    assert (cfg.where.device, cfg.repeats) == ("cuda", 10)

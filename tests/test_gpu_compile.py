@@ -16,6 +16,9 @@ from distlab.testing import run_torchrun
 
 GPUS = gpu_count()
 
+CUDA_ARGS = ["--device", "cuda", "--repeats", "10"]
+"""The GPU tier's command line for the bench (tests/test_compile.py parses it on the CPU)."""
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here: the GPU tier (python -m pytest -m gpu) runs where one is"),
@@ -27,9 +30,7 @@ def test_the_compile_bench_on_cuda_compiles_and_times_both_variants(tmp_path):
     have handed the backend DDPOptimizer's graphs (two at the bench's 25 MiB cap on the chapter's model), and every
     number must be a time."""
     ranks = min(GPUS, 2)
-    done = run_torchrun(
-        ranks, "distlab.bench.compile", "--device", "cuda", "--repeats", "10", "--out", str(tmp_path), timeout=600
-    )
+    done = run_torchrun(ranks, "distlab.bench.compile", *CUDA_ARGS, "--out", str(tmp_path), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     record = read_result(tmp_path / f"compile-inductor-{ranks}xcuda.json")
     assert record["metrics"]["graphs"] == ddp_optimizer_graphs(linear_layer_bytes([512] * 9), 25 * MIB)
