@@ -254,6 +254,10 @@ def run_main(main, argv=None) -> None:
         sys.stderr.write(line + "\n")  # one write: lines of concurrent ranks stay whole
         sys.stderr.flush()
 
+    # What the imports made (torch's ~330,000 objects) moves to the collector's permanent generation: the
+    # collections after main (the group's teardown, the one below, the interpreter's at exit) then walk what main
+    # made, about 0.3 s less each on this CPU; what main makes is collected as before.
+    gc.freeze()
     with _grace_after_sigterm(SIGTERM_GRACE_S):  # the lines below get said even if torchrun is stopping us
         try:
             main(argv)
