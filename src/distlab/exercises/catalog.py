@@ -26,6 +26,7 @@ CHAPTERS = (
     "compile",
     "checkpointing",
     "fp16",
+    "hooks",
     "troubleshooting",
 )
 """The modules of this package that hold exercises, in the book's order; each defines ``EXERCISES``."""

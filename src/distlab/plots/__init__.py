@@ -25,6 +25,7 @@ from .compile import plot_compiled_backward as plot_compiled_backward
 from .ddp import plot_bucket_schedule, plot_gradient_averaging, plot_step_times, plot_timeline, traced_all_reduces
 from .fp16 import plot_scaler_run, plot_underflow
 from .gpu_report import plot_report_bandwidth, plot_report_sweep
+from .hooks import plot_hooks_run as plot_hooks_run
 from .memory import (
     MEMORY_COLORS,
     ddp_or_fsdp_records,

@@ -64,3 +64,36 @@ def frozen_crossing(gathers: int = 2, gather_bytes: int = 4, reduce_bytes: int =
     more."""
     wider = 2 * ddp_bytes - reduce_bytes
     return gathers * gather_bytes / wider if wider > 0 else float("inf")
+
+
+def powersgd_values(shape: tuple[int, ...], rank: int, min_compression_rate: float = 2.0) -> tuple[int, bool]:
+    """The values one gradient of ``shape`` puts into PowerSGD's all-reduces in a compressed step, and whether it
+    is compressed, as ``powerSGD_hook`` decides (``torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py``,
+    ``_should_compress``): the gradient is seen as a matrix of ``shape[0]`` rows and every other dimension's values
+    as columns (a bias of k values is k x 1); its rank is capped at min(rows, columns, ``rank``); it is compressed
+    into P (rows x rank) and Q (columns x rank) only if those are smaller than the matrix by more than
+    ``min_compression_rate``, else it is all-reduced whole."""
+    rows = shape[0] if shape else 1
+    columns = 1
+    for size in shape[1:]:
+        columns *= size
+    kept = min(rows, columns, rank)
+    if (rows + columns) * kept * min_compression_rate < rows * columns:
+        return (rows + columns) * kept, True
+    return rows * columns, False
+
+
+def powersgd_bytes_per_step(
+    shapes: list[tuple[int, ...]],
+    rank: int,
+    world_size: int,
+    bytes_per_value: int = 4,
+    min_compression_rate: float = 2.0,
+) -> float:
+    """Bytes one rank sends in a step of DDP under ``powerSGD_hook`` once compression has started (after
+    ``start_powerSGD_iter`` steps of plain all-reduce), for gradients of ``shapes``: per bucket three
+    all-reduces, the uncompressed gradients flattened together, then every P, then every Q
+    (:func:`powersgd_values` for each), each 2(n-1)/n of its bytes as a ring sends them. The buckets' split does
+    not change the sum."""
+    values = sum(powersgd_values(tuple(shape), rank, min_compression_rate)[0] for shape in shapes)
+    return 2 * (world_size - 1) / world_size * values * bytes_per_value
