@@ -1,13 +1,8 @@
 """Typical wrong answers to the communication hooks chapter's exercise, each with the mistake its check must name."""
 
+import math
+
 from distlab.predict.traffic import powersgd_values
-
-
-def _numel(shape):
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _ring(values, world_size):
@@ -15,7 +10,7 @@ def _ring(values, world_size):
 
 
 def every_tensor_compressed(shapes, rank, world_size):
-    values = sum((s[0] + _numel(s) // s[0]) * min(s[0], _numel(s) // s[0], rank) for s in shapes)  # biases too
+    values = sum((s[0] + math.prod(s) // s[0]) * min(s[0], math.prod(s) // s[0], rank) for s in shapes)  # biases too
     return _ring(values, world_size)
 
 
@@ -28,12 +23,12 @@ def only_p(shapes, rank, world_size):
     values = 0
     for s in shapes:
         v, compressed = powersgd_values(s, rank)
-        values += s[0] * min(s[0], _numel(s) // s[0], rank) if compressed else v  # P sent, Q forgotten
+        values += s[0] * min(s[0], math.prod(s) // s[0], rank) if compressed else v  # P sent, Q forgotten
     return _ring(values, world_size)
 
 
 def columns_from_last_dim(shapes, rank, world_size):
-    values = sum(powersgd_values((_numel(s) // s[-1], s[-1]), rank)[0] for s in shapes)  # (rest, last) matrices
+    values = sum(powersgd_values((math.prod(s) // s[-1], s[-1]), rank)[0] for s in shapes)  # (rest, last) matrices
     return _ring(values, world_size)
 
 

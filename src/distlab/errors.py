@@ -247,6 +247,9 @@ def run_main(main, argv=None) -> None:
     A :class:`DistlabError` is the user's to fix. A collective whose peers never matched it (a timeout, a
     peer gone, a mismatch found by TORCH_DISTRIBUTED_DEBUG=DETAIL) is one line per rank: which rank, in
     which collective, and torch's reason; rank 0 adds what to change.
+
+    It is a process's main, as its SIGTERM handling is: what existed before it (the imports) is frozen for the
+    process's remaining collections (``gc.freeze``), which then walk only what ``main`` made.
     """
     rank = os.environ.get("RANK", "0")
 

@@ -7,6 +7,8 @@ mistake would give.
 
 from __future__ import annotations
 
+import math
+
 from ..predict.traffic import powersgd_bytes_per_step, powersgd_values
 from .catalog import Exercise
 from .trial import Trial, numbers_close
@@ -48,23 +50,17 @@ def _mistakes(shapes, rank: int, world_size: int) -> list[tuple[str, float]]:
     def total(values_of) -> float:
         return _bytes(sum(values_of(tuple(shape)) for shape in shapes), world_size)
 
-    def numel(shape):
-        count = 1
-        for size in shape:
-            count *= size
-        return count
-
     def columns_from_last_dim(shape):
-        rows, columns = numel(shape) // shape[-1], shape[-1]
+        rows, columns = math.prod(shape) // shape[-1], shape[-1]
         return powersgd_values((rows, columns), rank)[0]
 
     def every_tensor_compressed(shape):
-        rows, columns = shape[0], numel(shape) // shape[0]
+        rows, columns = shape[0], math.prod(shape) // shape[0]
         return (rows + columns) * min(rows, columns, rank)
 
     def only_p(shape):
         values, compressed = powersgd_values(shape, rank)
-        return shape[0] * min(shape[0], numel(shape) // shape[0], rank) if compressed else values
+        return shape[0] * min(shape[0], math.prod(shape) // shape[0], rank) if compressed else values
 
     return [
         ("every_tensor_compressed", total(every_tensor_compressed)),

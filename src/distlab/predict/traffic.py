@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def expected_bytes_per_step(
     strategy: str,
@@ -73,10 +75,7 @@ def powersgd_values(shape: tuple[int, ...], rank: int, min_compression_rate: flo
     as columns (a bias of k values is k x 1); its rank is capped at min(rows, columns, ``rank``); it is compressed
     into P (rows x rank) and Q (columns x rank) only if those are smaller than the matrix by more than
     ``min_compression_rate``, else it is all-reduced whole."""
-    rows = shape[0] if shape else 1
-    columns = 1
-    for size in shape[1:]:
-        columns *= size
+    rows, columns = (shape[0] if shape else 1), math.prod(shape[1:])
     kept = min(rows, columns, rank)
     if (rows + columns) * kept * min_compression_rate < rows * columns:
         return (rows + columns) * kept, True
