@@ -1,8 +1,8 @@
 """The communication hooks chapter's exercise: the bytes a rank sends in a step of DDP under PowerSGD. Arithmetic,
 run on one rank and graded on a grid of models against the library's model
-(:func:`distlab.predict.traffic.powersgd_bytes_per_step`, which the chapter's test holds to the bytes
-``TrafficCounter`` counts under torch's ``powerSGD_hook``); a wrong answer is compared with what each typical
-mistake would give.
+(:func:`distlab.predict.traffic.powersgd_bytes_per_step`, which the chapter's test holds to the values torch's
+``powerSGD_hook`` itself counts, ``PowerSGDState.compression_stats()``); a wrong answer is compared with what each
+typical mistake would give.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ MODELS = (
     (
         [(64, 3, 3, 3), (64,), (64,), (64,), (128, 64, 3, 3), (128,), (128,), (128,), (10, 128), (10,)],
         "a small CNN: two 3 x 3 convolutions with BatchNorm, then a linear layer",
-    ),  # fmt: skip
+    ),
     (
         [
             (50304, 768),
@@ -35,7 +35,7 @@ MODELS = (
             (768,),
         ],
         "one GPT-2 small block with its embeddings",
-    ),  # fmt: skip
+    ),
 )
 """(gradient shapes, what they are)."""
 SETTINGS = ((1, 2), (4, 4), (32, 8))
