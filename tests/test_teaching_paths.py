@@ -24,6 +24,7 @@ CORE = (
     "checkpointing",
     "fp16",
     "comm_hooks",
+    "profiling",
 )
 """The six core chapters and the chapters on the learner's own training run."""
 PATH_WORDS = 3000  # the fifth review's limit for every core chapter, counted by scripts/path_words.py

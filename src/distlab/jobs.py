@@ -265,12 +265,20 @@ def _ranks_output(lines: list[str]) -> list[str]:
 
 
 def is_torchrun_noise(line: str) -> bool:
-    """torchrun's banner about OMP_NUM_THREADS says nothing a reader needs."""
+    """torchrun's banner about OMP_NUM_THREADS, and the profiler's (Kineto's) lines as it starts and stops and as
+    it looks for a GPU on a machine without one, say nothing a reader needs."""
     return (
         "OMP_NUM_THREADS" in line
         or line.rstrip().endswith("*****************************************")
         or "site-packages/torch/distributed/run.py" in line
+        or bool(KINETO_NOISE.match(line))
     )
+
+
+KINETO_NOISE = re.compile(
+    r"^(USDT|INFO|WARNING|ERROR):\S+ [\d:]+ \d+:\d+ (\w+ActivityProfiler\w*\.cpp:\d+\] profiler_(start|stop)"
+    r"|DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed)"
+)
 
 
 RANK_START_METHOD = "forkserver" if sys.platform == "linux" else "spawn"

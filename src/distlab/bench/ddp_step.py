@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..cli import BenchConfig, entry_point, finish_run, option
 from ..data import IMAGE_SHAPES, SyntheticImages, SyntheticTokens
 from ..errors import run_main
+from ..measure.profile import merged_intervals
 from ..models import GPT_PRESETS, build_model, count_parameters, model_input_kind
 from ..parallel.base import Strategy
 from ..parallel.mini_ddp import BucketedDDP
@@ -178,17 +179,6 @@ def compare_with_torch_ddp(record: dict) -> list[dict]:
             }
         )
     return table
-
-
-def merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(start, end) intervals, overlapping ones merged: the time during which at least one of them runs."""
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(start, end) for start, end in merged]
 
 
 def communication_after_backward(record: dict) -> dict:

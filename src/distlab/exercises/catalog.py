@@ -27,6 +27,7 @@ CHAPTERS = (
     "checkpointing",
     "fp16",
     "hooks",
+    "profiling",
     "troubleshooting",
 )
 """The modules of this package that hold exercises, in the book's order; each defines ``EXERCISES``."""

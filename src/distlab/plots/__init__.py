@@ -6,7 +6,7 @@ own code made on traced ranks (:func:`distlab.exercises.run_on_ranks`) or the pl
 re-exported here: ``from distlab import plots; plots.plot_busbw(...)``. A figure draws records and predictions;
 it never imports a benchmark (what it needs of one lives in :mod:`distlab.predict`).
 
-May import: config, results, comm, predict.
+May import: config, results, comm, predict, measure.
 """
 
 from .checkpointing import plot_checkpointing_run as plot_checkpointing_run
@@ -39,6 +39,7 @@ from .memory import (
 )
 from .practice import plot_accumulation_run as plot_accumulation_run
 from .practice import plot_frozen_base_run as plot_frozen_base_run
+from .profile import plot_profiled_step as plot_profiled_step
 from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
 from .streams import (
     STREAM_COLORS,
