@@ -157,7 +157,7 @@ def test_the_launcher_hides_kinetos_banners_and_nothing_else():
 
 @pytest.mark.slow
 def test_the_pages_program_writes_a_trace_a_rank_with_three_steps_of_compute_and_communication(tmp_path):
-    job = run_page_program("profiling.md", "profile_step.py", tmp_path)
+    job = run_page_program("profiling.md", "profile_step.py", tmp_path, files_needed=True)  # it reads the traces
     assert job.stdout.count("the operations by the time spent in each") == 2  # rank 0's two tables, no other rank's
     assert "ProfilerStep*" in job.stdout and "aten::mm" in job.stdout and "FSDP::all_gather" in job.stdout
     for name in ("ddp", "fsdp2"):

@@ -10,6 +10,7 @@ the mistake it looks like. It never prints a traceback from inside torch.
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import shutil
 import signal
 import sys
@@ -191,9 +192,11 @@ def _run_ranks(exercise, workdir: Path, fn_name: str, world: int, device: str, t
                 started = time.monotonic()  # the check's own time starts now
                 deadline = started + timeout_s + 5.0
                 break
-            time.sleep(0.02)
-        while time.monotonic() < deadline and any(p.is_alive() for p in processes):
-            time.sleep(0.02)
+            time.sleep(0.005)  # a rank starts within tens of ms: polled finely, so a check waits no longer than it must
+        running = [p.sentinel for p in processes if p.is_alive()]
+        while running and (left := deadline - time.monotonic()) > 0:  # woken the moment a rank ends
+            finished = multiprocessing.connection.wait(running, timeout=left)
+            running = [sentinel for sentinel in running if sentinel not in finished]
         ended = Ended(time.monotonic() - started, timed_out=any(p.is_alive() for p in processes), timeout_s=timeout_s)
         for process in processes:
             if process.is_alive():
