@@ -55,7 +55,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from . import __version__
 from .errors import DistlabError
@@ -102,16 +101,23 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-class _Writer(dcp.FileSystemWriter):
+def _dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is saved or loaded: it imports DTensor and, through
+    it, sympy, about a second of every rank's start that a run which never checkpoints need not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def _writer(path: Path, before_write):
     """DCP's file writer with a hook called before this rank writes its shards (fault injection)."""
 
-    def __init__(self, path: Path, before_write):
-        super().__init__(path, sync_files=True)
-        self.before_write = before_write
+    class Writer(_dcp().FileSystemWriter):
+        def write_data(self, plan, planner):
+            before_write()
+            return super().write_data(plan, planner)
 
-    def write_data(self, plan, planner):
-        self.before_write()
-        return super().write_data(plan, planner)
+    return Writer(path, sync_files=True)
 
 
 def describe(run, state) -> dict[str, Any]:
@@ -194,7 +200,7 @@ class CheckpointFolder:
         dist.barrier()
         content = run.strategy.checkpoint_state(run.model, run.optimizer, self.runtime.device.type).tensors
         content[f"rank{self.runtime.rank}"] = rank_entry(state, run.precision.scaler, self.runtime.device)
-        dcp.save(content, storage_writer=_Writer(partial, before_write))
+        _dcp().save(content, storage_writer=_writer(partial, before_write))
         if self.runtime.is_main:  # DCP's index is written: the checkpoint is complete
             write_atomically(partial / "meta.json", json.dumps(describe(run, state), indent=1))
             if final.exists():  # an earlier job's save of the same step
@@ -208,6 +214,7 @@ class CheckpointFolder:
         meta = read_meta(path)
         check_compatible(meta, run, path)
         strategy_state = run.strategy.checkpoint_state(run.model, run.optimizer, self.runtime.device.type)
+        dcp = _dcp()
         try:
             reader = dcp.FileSystemReader(path)
             saved = reader.read_metadata().state_dict_metadata

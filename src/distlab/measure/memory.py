@@ -14,6 +14,7 @@ reads ``torch.cuda.max_memory_allocated``, which rounds every block up to 512 by
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -24,10 +25,15 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-try:  # public since torch 2.5
-    from torch.distributed.tensor import DTensor
-except ImportError:
-    from torch.distributed._tensor import DTensor
+
+def _dtensor_class() -> type | None:
+    """DTensor, once its module is imported (no DTensor can exist before): importing it for a run that never makes
+    one would cost each rank about a second (it imports sympy)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # public since torch 2.5
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "DTensor"):
+            return module.DTensor
+    return None
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "gathered", "activations", "other")
@@ -212,7 +218,8 @@ class MemoryTracker(TorchDispatchMode):
                 live.nbytes = nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:
+        dtensor = _dtensor_class()
+        if dtensor is not None and dtensor in types:
             return NotImplemented  # DTensor runs its local ops, which come back here
         if self.model is not None and self.phase != "backward" and torch._C._current_graph_task_id() != -1:
             self.mark("backward")

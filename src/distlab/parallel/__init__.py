@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..errors import DistlabError
 from .base import Strategy, StrategySettings
@@ -48,6 +47,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     A collective: every rank must call it."""
     if isinstance(model, ShardedParameters):  # the course's ZeRO-3 knows where its shards go
         return model.full_state_dict(rank0_only)
+    # Imported here: DCP imports DTensor and sympy, a second of every rank's start that a run need not pay.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     state = get_model_state_dict(unwrap(model), options=options)
     return {key: value.detach().cpu().clone() for key, value in state.items()}

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from .mini_ddp import DataParallelWrapper
@@ -55,12 +54,16 @@ class CheckpointState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         initialize_optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # DTensor, only once a checkpoint is made
+
         model_state, optimizer_state = get_state_dict(unwrap(model), optimizer)
         # The hyperparameters come from this run's flags; only the per-parameter state is saved.
         self.param_groups = optimizer_state["param_groups"]
         self.tensors = {"model": model_state, "optimizer": optimizer_state["state"]}
 
     def apply(self) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         optimizer_state = {"state": self.tensors["optimizer"], "param_groups": self.param_groups}
         set_state_dict(
             unwrap(self.model), self.optimizer, model_state_dict=self.tensors["model"], optim_state_dict=optimizer_state

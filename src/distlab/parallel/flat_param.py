@@ -18,16 +18,20 @@ over one rank (:class:`ReplicatedUnit`): one flat buffer, whole on every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from ..comm.collectives import ring_all_gather, ring_reduce_scatter
 from ..comm.implementations import default_implementation
 from ..errors import DistlabError
 from .base import MixedPrecision
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class FlatParams:
@@ -75,6 +79,8 @@ class FlatParams:
         shares memory with ``values``, so a checkpoint load writes straight into them.
         ``mesh`` lists the owner of each segment (:func:`segment_owners_mesh`)."""
         valid = max(0, min(self.numel, self.shard.stop) - self.shard.start)
+        from torch.distributed.tensor import DTensor, Shard  # with sympy: a second a DDP rank need not pay
+
         return DTensor.from_local(
             values.detach()[:valid], mesh, [Shard(0)], run_check=False, shape=(self.numel,), stride=(1,)
         )

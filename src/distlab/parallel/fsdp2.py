@@ -15,10 +15,17 @@ from ..errors import DistlabError
 from ..models import require_shard_units
 from .base import ShardingOptions, Strategy
 
-try:  # public since torch 2.6
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-except ImportError:  # torch 2.4-2.5
-    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+def _fsdp():
+    """torch's ``fully_shard`` and its policies, imported when FSDP2 is used: ``torch.distributed.fsdp`` imports
+    DTensor and, through it, sympy, about a second of every rank's start that a DDP run need not pay."""
+    try:  # public since torch 2.6
+        import torch.distributed.fsdp as fsdp
+
+        fsdp.fully_shard  # noqa: B018 (absent before 2.6)
+    except (ImportError, AttributeError):  # torch 2.4-2.5
+        import torch.distributed._composable.fsdp as fsdp
+    return fsdp
 
 
 class FSDP2(Strategy):
@@ -60,7 +67,7 @@ class FSDP2(Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.replicate = replicate
         self.predicted_by = "fsdp-no-reshard" if reshard_after_forward is False else "fsdp"
-        self.mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        self.mp_policy = _fsdp().MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         self.prefetch, self.prefetch_depth = prefetch, prefetch_depth
         self.cpu_offload = cpu_offload
         self.reshard_between_micro_steps = reshard_between_micro_steps
@@ -111,11 +118,11 @@ class FSDP2(Strategy):
             offload_policy=self._offload_policy(runtime.device),
         )
         for unit in units:
-            fully_shard(unit, **options)
+            _fsdp().fully_shard(unit, **options)
         # The root's parameters (a GPT's embedding and its tied head) are used at the
         # end of forward and again first thing in backward: freeing them in between
         # would only gather them again at once (torch's own default for the root).
-        root = fully_shard(model, **{**options, "reshard_after_forward": False})
+        root = _fsdp().fully_shard(model, **{**options, "reshard_after_forward": False})
         if self.prefetch == "explicit":
             # Implicit prefetch already overlaps one unit: the all-gather runs on its own stream
             # while the CPU runs ahead in forward, and backward gathers in reverse forward order.
@@ -153,10 +160,10 @@ class FSDP2(Strategy):
 
     def _offload_policy(self, device: torch.device):
         if not self.cpu_offload:
-            return OffloadPolicy()
+            return _fsdp().OffloadPolicy()
         # Pinned host memory is what lets the copies overlap, and pinning needs a GPU driver:
         # on a CPU the shards already live in host memory and there is nothing to move.
-        return CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        return _fsdp().CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
     @contextmanager
     def no_sync(self, model) -> Iterator[None]:

@@ -31,7 +31,6 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ..errors import DistlabError
 from .base import _state_values, _unique
@@ -180,6 +179,8 @@ class ShardedOptimizerState(CheckpointState):
         state = {}
         for index, bucket in enumerate(model.buckets):
             state |= bucket.layout.shard_state_as_dtensors(f"bucket.{index}", optimizer.state[bucket.shard], mesh)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # DTensor, only once checkpointing
+
         self.tensors = {"model": get_model_state_dict(unwrap(model)), "optimizer": state}
 
     def apply(self) -> None:
