@@ -32,7 +32,8 @@ def test_ci_runs_the_readme_commands_the_site_tests_and_the_kaggle_stack_in_orde
         assert f"{part}() {{" in ci, f".ci/run defines no {part}"
     assert f"readme_tests() {{ {test}; }}" in ci and f"readme_book() {{ {build}; }}" in ci
     calls = [line.split()[-1] for line in ci.splitlines() if line.startswith("timed ")]
-    assert calls == ["main_stack", "lint", "readme_tests", "other_tiers", "readme_book", "site_tests", "kaggle_stack"]
+    assert calls == ["main_stack", "lint", "readme_tests", "readme_book", "site_tests", "other_tiers", "kaggle_stack"]
+    assert 'DISTLAB_BUILT_PAGES="$PWD/_build/.jupyter_cache/executed"' in ci  # the slow tier reads the build's runs
     assert "ruff check src tests scripts" in ci and "ruff format --check src tests scripts" in ci
     assert "tests/test_site.py tests/test_browser.py" in ci and "DISTLAB_REQUIRE_SITE=1" in ci
     assert "--no-deps" in ci and ".ci/kaggle-requirements.txt" in ci
