@@ -6,7 +6,7 @@ traces of its own DDP and FSDP2 steps).
 
 from __future__ import annotations
 
-from ..measure.profile import COMMUNICATION, COMPUTE, busy, merged_intervals, overlap_ms, step_time
+from ..measure.profile import COMMUNICATION, COMPUTE, busy, overlap_ms, step_time
 from .catalog import Exercise
 from .trial import Trial, numbers_close
 
@@ -75,7 +75,7 @@ def _mistakes(step_ms: float, events: list[dict]) -> list[tuple[str, float]]:
             sum(_length([i]) - overlap_ms([i], compute) for i in every_communication),
         ),
         ("nested_ops_subtracted_twice", _length(communication) - overlap_ms(communication, every_compute)),
-        ("idle_counted_as_communication", step_ms - _length(merged_intervals(every_compute))),
+        ("idle_counted_as_communication", step_ms - _length(compute)),
     ]
 
 
