@@ -52,6 +52,40 @@ def idle_counted_as_communication(step):
     return step["step_ms"] - sum(e - s for s, e in _merged(_lane(events, "compute")))  # Python, gaps: all of it
 
 
+def _gaps(split, cuda, smi_mib, counted=None, cached=None, outside=None):
+    counted = sum(split.values()) if counted is None else counted
+    allocated, reserved, before = cuda["max_allocated"], cuda["max_reserved"], cuda["resident_before"]
+    return {
+        "allocated before the step": before,
+        "rounding and unseen": allocated - before - counted,
+        "cached": reserved - allocated if cached is None else cached,
+        "outside the allocator": round(smi_mib * 2**20) - reserved if outside is None else outside,
+    }
+
+
+def named_categories_only(split, cuda, smi_mib):
+    states = split["parameters"] + split["gradients"] + split["optimizer_state"]  # activations forgotten
+    return _gaps(split, cuda, smi_mib, counted=states)
+
+
+def resident_left_in(split, cuda, smi_mib):
+    gaps = _gaps(split, cuda, smi_mib)
+    gaps["rounding and unseen"] = cuda["max_allocated"] - sum(split.values())  # the batch called rounding
+    return gaps
+
+
+def cached_from_the_count(split, cuda, smi_mib):
+    return _gaps(split, cuda, smi_mib, cached=cuda["max_reserved"] - sum(split.values()))
+
+
+def outside_from_allocated(split, cuda, smi_mib):
+    return _gaps(split, cuda, smi_mib, outside=round(smi_mib * 2**20) - cuda["max_allocated"])
+
+
+def mebibytes_as_megabytes(split, cuda, smi_mib):
+    return _gaps(split, cuda, smi_mib, outside=smi_mib * 1e6 - cuda["max_reserved"])
+
+
 MISTAKES = [
     ("exposed_communication_ms", summed_durations, "summed_durations", "a DDP step"),
     ("exposed_communication_ms", communication_not_exposed, "communication_not_exposed", "a DDP step"),
@@ -64,4 +98,9 @@ MISTAKES = [
     ),
     ("exposed_communication_ms", nested_ops_subtracted_twice, "nested_ops_subtracted_twice", "a DDP step"),
     ("exposed_communication_ms", idle_counted_as_communication, "idle_counted_as_communication", "a DDP step"),
+    ("memory_gaps", named_categories_only, "named_categories_only", "a DDP rank"),
+    ("memory_gaps", resident_left_in, "resident_left_in", "a DDP rank"),
+    ("memory_gaps", cached_from_the_count, "cached_from_the_count", "a DDP rank"),
+    ("memory_gaps", outside_from_allocated, "outside_from_allocated", "a DDP rank"),
+    ("memory_gaps", mebibytes_as_megabytes, "mebibytes_as_megabytes", "a DDP rank"),
 ]

@@ -184,7 +184,9 @@ def cuda_peaks(
     """One more step with CUDA's allocator counting: every rank's ``torch.cuda.max_memory_allocated`` and
     ``max_memory_reserved`` over it (on rank 0), beside the course's own byte count. ``warmup`` untimed steps
     first (a trainee just built has no optimizer state yet); ``resident_before``, what this rank had allocated
-    before the trainee was built, is recorded beside them (it is inside ``max_allocated``)."""
+    before the trainee was built, is recorded beside them (it is inside ``max_allocated``), with the peak of what
+    tensors requested before rounding and the device's used memory after the step. GPU-only (the GPU tier's sweep
+    tests run it); a CPU sweep records none of these."""
     for _ in range(warmup):
         trainee.step(tokens, targets)
     torch.cuda.synchronize(runtime.device)
@@ -193,6 +195,11 @@ def cuda_peaks(
     torch.cuda.synchronize(runtime.device)
     peaks = {"max_allocated": torch.cuda.max_memory_allocated(runtime.device)}
     peaks["max_reserved"] = torch.cuda.max_memory_reserved(runtime.device)
+    # What tensors asked for before the allocator rounded them up, and what the device shows as used (nvidia-smi's
+    # number: the reserved segments, CUDA's context, NCCL's buffers): the profiling chapter's outer layers.
+    peaks["max_requested"] = torch.cuda.memory_stats(runtime.device).get("requested_bytes.all.peak")
+    free, total = torch.cuda.mem_get_info(runtime.device)
+    peaks["device_used"] = total - free
     if resident_before is not None:
         peaks["resident_before"] = resident_before
     return gather_per_rank(peaks, runtime)

@@ -39,6 +39,7 @@ from .memory import (
 )
 from .practice import plot_accumulation_run as plot_accumulation_run
 from .practice import plot_frozen_base_run as plot_frozen_base_run
+from .profile import plot_memory_layers
 from .profile import plot_profiled_step as plot_profiled_step
 from .ring_animation import plot_holdings, plot_ring_steps, plot_sharding_bridge
 from .streams import (
@@ -104,6 +105,7 @@ __all__ = [
     "plot_report_sweep",
     "plot_timeline",
     "MEMORY_COLORS",
+    "plot_memory_layers",
     "plot_memory_timeline",
     "plot_state_per_rank",
     "plot_state_bars",

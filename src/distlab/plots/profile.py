@@ -32,3 +32,43 @@ def plot_profiled_step(step: dict, ax=None, title: str = ""):
     if title:
         ax.set_title(title, fontsize=MIN_TEXT_PT)
     return ax
+
+
+LAYER_COLORS = {"allocated before the step": "tab:brown", "rounding and unseen": "tab:pink",
+                "cached": "lightgray", "outside the allocator": "black"}  # fmt: skip
+
+
+def plot_memory_layers(rows: list[dict], axes=None, title: str = ""):
+    """One bar a row, GB: the tracker's split at the peak (its categories' colours), then what the allocator holds
+    beyond it (:func:`distlab.measure.allocator.memory_layers`), each row on its own scale. ``rows`` as
+    :func:`~distlab.measure.allocator.sweep_memory_rows` returns them; a layer not measured is left out, and one
+    below zero (the tracker counted a tensor allocated before the step) is drawn as nothing and named."""
+    from ..measure.allocator import memory_layers
+    from .memory import MEMORY_COLORS
+
+    if axes is None:
+        axes = plt.subplots(len(rows), 1, figsize=(COLUMN_INCHES, 1.4 + 0.8 * len(rows)), squeeze=False,
+                            layout="constrained")[1][:, 0]  # fmt: skip
+    for ax, row in zip(axes, rows):
+        layers = memory_layers(row["peak_by_category"], row["cuda_memory"], row.get("device_used"))
+        parts = [(name, row["peak_by_category"][name], color) for name, color in MEMORY_COLORS.items()]
+        parts += [(name, layers[name], color) for name, color in LAYER_COLORS.items() if layers[name] is not None]
+        left, drawn = 0.0, []
+        for name, nbytes, color in parts:
+            if nbytes > 0:
+                ax.barh(0, nbytes / 1e9, left=left, color=color, edgecolor="white", linewidth=0.4,
+                        label=name.replace("_", " "))  # fmt: skip
+                left += nbytes / 1e9
+                drawn.append(name)
+        name = {"fsdp": "FSDP2"}.get(row["variant"], row["variant"].upper())
+        ax.set_yticks([0], [f"{name}, {row['tokens']:,} tokens"], fontsize=MIN_TEXT_PT)
+        ax.set_xlim(0, left * 1.02)
+        ax.axvline(row["cuda_memory"]["max_allocated"] / 1e9, color="black", linestyle=":", linewidth=1)
+        ax.tick_params(axis="x", labelsize=MIN_TEXT_PT)
+    axes[-1].set_xlabel("GB at the step's peak (dotted: max_memory_allocated)", fontsize=MIN_TEXT_PT)
+    handles = {h.get_label(): h for ax in axes for h in ax.get_legend_handles_labels()[0]}
+    axes[0].figure.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=3, fontsize=MIN_TEXT_PT,
+                          frameon=False)  # fmt: skip
+    if title:
+        axes[0].figure.suptitle(title, fontsize=MIN_TEXT_PT + 1)
+    return axes

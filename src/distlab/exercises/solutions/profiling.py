@@ -1,5 +1,6 @@
-"""The profiling chapter's answer: the communication of a profiled step that no computation hid. Written for
-reading: the library's version is :func:`distlab.measure.profile.step_time`.
+"""The profiling chapter's answers, written for reading: the communication of a profiled step that no computation
+hid (the library's version is :func:`distlab.measure.profile.step_time`), and what holds a GPU rank's memory beyond
+the tracker's count (:func:`distlab.measure.allocator.memory_layers`).
 """
 
 
@@ -19,3 +20,15 @@ def exposed_communication_ms(step: dict) -> float:
         hidden = sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in compute)
         exposed += (end - start) - hidden  # the part of this collective's time with no compute beside it
     return exposed
+
+
+def memory_gaps(peak_by_category: dict, cuda_memory: dict, smi_used_mib: float) -> dict:
+    counted = sum(peak_by_category.values())  # every category at the peak, activations included
+    allocated, reserved = cuda_memory["max_allocated"], cuda_memory["max_reserved"]
+    before = cuda_memory["resident_before"]
+    return {  # each number contains the one before it: subtract neighbours
+        "allocated before the step": before,
+        "rounding and unseen": allocated - before - counted,
+        "cached": reserved - allocated,
+        "outside the allocator": round(smi_used_mib * 2**20) - reserved,  # MiB are 2**20 bytes
+    }
