@@ -10,6 +10,8 @@ each rank steps only its own shard. `--wrap ddp` replicates the model instead: t
 `--prefetch-depth 2` keeps two units' all-gathers in flight instead of FSDP2's one; `--cpu-offload` keeps the
 shards, gradients and Adam state in pinned host memory and steps Adam on the CPU. `--adapter-rank 8` freezes the
 GPT and trains rank-8 adapters beside each block's linear layers (LoRA), and counts the bytes one step sends.
+On GPUs, `--memory-snapshot DIR` records CUDA's allocator over the last epoch's first step and writes one
+snapshot a rank to DIR (open it on pytorch.org/memory_viz).
 Rank 0 writes a JSON summary, with the environment it ran in, to --out. Without --device it runs on the GPUs
 only where each rank has one of its own; `--device cuda --backend gloo` lets ranks share the GPUs there are.
 """
@@ -18,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import pickle
 import platform
 import sys
 import time
@@ -38,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from distlab.comm.traffic import TrafficCounter
+from distlab.measure.allocator import read_snapshot
 from distlab.models import GPT, GPT_PRESETS, build_model
 from distlab.predict.traffic import expected_bytes_per_step
 
@@ -98,12 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "nccl", "gloo"],
         help="auto: nccl on cuda, gloo on cpu; gloo also lets more ranks than GPUs share them",
     )
+    p.add_argument("--memory-snapshot", default="", help="cuda: a snapshot of the allocator a rank, written here")
     p.add_argument("--out", default="fsdp_train.json")
     args = p.parse_args(argv)
     if args.adapter_rank < 0:
         p.error(f"--adapter-rank is an adapter's width: 1 or more, or 0 for none, not {args.adapter_rank}")
     if args.adapter_rank and args.model == "cnn":
         p.error("--adapter-rank adapts a GPT's blocks: pass a GPT preset to --model")
+    if args.memory_snapshot and args.device == "cpu":
+        p.error("--memory-snapshot records CUDA's allocator: use --device cuda, or leave it out")
     return args
 
 
@@ -302,6 +309,20 @@ def largest_changes(model, before: dict[str, torch.Tensor], device: torch.device
     return {"frozen": changes[0].item(), "adapters": changes[1].item()}
 
 
+SNAPSHOT_KEYS = ("reserved", "allocated", "requested", "cached", "largest_free", "streams")
+
+
+def rank_memory(numbers: list[float], cuda: bool) -> dict:
+    """One rank's memory record from the numbers it gathered (see train): its state's bytes; on a GPU the
+    allocator's peaks, the device's used bytes, and the snapshot's numbers (None where none was taken)."""
+    held, allocated, reserved, used, *at_snapshot = (int(n) for n in numbers)
+    record = {"state_bytes": held, "cuda_max_allocated": allocated if cuda else None}
+    if cuda:
+        snapshot = dict(zip(SNAPSHOT_KEYS, at_snapshot)) if at_snapshot[0] >= 0 else None
+        record |= {"cuda_max_reserved": reserved, "device_used": used, "snapshot": snapshot}
+    return record
+
+
 def environment(device: torch.device) -> dict:
     """What a reader needs to trust or redo the numbers: versions, hardware, the command."""
     cuda, cpuinfo = device.type == "cuda", Path("/proc/cpuinfo")
@@ -369,7 +390,7 @@ def train(args, device: torch.device) -> None:
     # Adapters: the weights before (in host memory, out of the GPU's peak) and what the first step sends.
     before = {name: v.detach().cpu().clone() for name, v in named_values(model).items()} if args.adapter_rank else {}
     traffic, with_gradients = None, []
-    history, held = [], 0
+    history, held, allocator = [], 0, {}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for epoch in range(args.epochs):
@@ -384,6 +405,9 @@ def train(args, device: torch.device) -> None:
         for step, (x, y) in zip(range(steps), batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             counted = bool(args.adapter_rank) and epoch == step == 0  # the counter slows its step: not a warm one
+            recorded = bool(args.memory_snapshot) and epoch == args.epochs - 1 and step == 0  # a warm step
+            if recorded:  # every allocation and free from here, with the Python stack that made it
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
             with TrafficCounter(world) if counted else nullcontext() as counter:
                 with autocast:
                     losses, correct = loss_and_correct(model(x), y)
@@ -394,6 +418,12 @@ def train(args, device: torch.device) -> None:
                 scaler.step(optimizer)
             scaler.update()
             held = max(held, held_bytes(model, optimizer))  # the gradients exist from backward to zero_grad
+            if recorded:  # before zero_grad: the snapshot shows the step's gradients still held
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
+                (Path(args.memory_snapshot) / f"snapshot-rank{rank}.pickle").write_bytes(pickle.dumps(snapshot))
+                allocator = read_snapshot(snapshot)
             optimizer.zero_grad(set_to_none=True)
             step_loss[step] = losses.detach().mean()
             sums += torch.stack([losses.detach().sum().double(), correct.sum().double(), sums.new_tensor(y.numel())])
@@ -418,12 +448,18 @@ def train(args, device: torch.device) -> None:
         if rank == 0:
             print(f"epoch {epoch + 1}: train loss {history[-1]['train_loss']:.4f} | test loss {test_loss:.4f} "
                   f"acc {100 * test_accuracy:.2f}% | {seconds:.1f} s", flush=True)  # fmt: skip
-    mine = torch.tensor([held, torch.cuda.max_memory_allocated(device) if cuda else -1], device=device)
+    # On a GPU, each rank's memory as CUDA reports it: the allocator's peaks over the run, what the device shows
+    # as used (nvidia-smi's number), and, with --memory-snapshot, the allocator's state at the snapshot.
+    free, total = torch.cuda.mem_get_info(device) if cuda else (0, -1)
+    cuda_numbers = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
+                    total - free] if cuda else [-1, -1, -1]  # fmt: skip
+    at_snapshot = [allocator.get(key, -1) for key in SNAPSHOT_KEYS]
+    mine = torch.tensor([held, *cuda_numbers, *at_snapshot], dtype=torch.float64, device=device)
     ranks = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(ranks, mine)
     adapters = adapter_metrics(args, model, world, device, traffic, with_gradients, before) if args.adapter_rank else {}
     if rank == 0:
-        memory = [{"state_bytes": int(r[0]), "cuda_max_allocated": int(r[1]) if cuda else None} for r in ranks]
+        memory = [rank_memory(r.tolist(), cuda) for r in ranks]
         metrics = {"parameters": parameters, "trainable_parameters": trainable, "compute_dtype": str(dtype)}
         metrics |= {"epochs": history, "memory": memory, **adapters}
         record = {"schema": "distlab.result/1", "kind": "fsdp_train", "config": vars(args), "metrics": metrics}

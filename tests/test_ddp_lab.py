@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,16 +18,19 @@ from distlab.testing import assert_same_state, run_torchrun, written_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "ddp_train.py"
+PROFILER = ROOT / "scripts" / "profile_ddp.py"
 LAB = ROOT / "notebooks" / "lab_ddp_mnist.ipynb"
 
 
 def test_the_lab_writes_the_script_byte_for_byte():
     assert written_file(LAB, "ddp_train.py") == SCRIPT.read_text()
+    assert written_file(LAB, "profile_ddp.py") == PROFILER.read_text()
 
 
 # The two lab scripts are standalone on purpose (a learner copies one file), so what they share is written twice:
 # these functions must stay the same in both, but for the script's own name in its messages.
 SHARED_WITH_THE_FSDP_SCRIPT = ("default_device", "device_and_backend", "compute_dtype", "environment")
+SHARED_WITH_THE_PROFILER = ("default_device", "device_and_backend")
 
 
 def _functions(path: Path) -> dict[str, str]:
@@ -42,6 +46,29 @@ def test_what_the_two_lab_scripts_share_is_the_same_in_both():
         assert ddp[name] == fsdp[name], f"{name} differs between ddp_train.py and fsdp_train.py"
     loader = [line.strip() for line in ddp["train"].splitlines() if "DataLoader(" in line or "drop_last=True" in line]
     assert loader and all(line in fsdp["train"] for line in loader), loader
+    profiler = _functions(PROFILER)
+    for name in SHARED_WITH_THE_PROFILER:
+        assert ddp[name] == profiler[name], f"{name} differs between ddp_train.py and profile_ddp.py"
+
+
+@pytest.mark.slow
+def test_the_profiled_step_and_the_hooks_run_on_two_gloo_ranks(tmp_path):
+    """The lab's part 6 as a CPU runs it: a trace a rank with three kept steps, rank 0's sums read from its own
+    trace (exposed <= communication <= step), and each hook's run training as fp32 does (16-bit gradients round)."""
+    from distlab.measure.profile import read_steps
+
+    job = run_torchrun(2, str(PROFILER), "--device", "cpu", "--steps", "3", "--out", str(tmp_path))
+    _ok(job)
+    for rank in (0, 1):
+        steps = read_steps(tmp_path / f"trace-rank{rank}.json")
+        assert len(steps) == 3 and all(e["name"].startswith("gloo:") for s in steps for e in s["events"]
+                                       if e["lane"] == "communication")  # fmt: skip
+    (profiled,) = [line for line in job.stdout.splitlines() if line.startswith("profiled, rank 0")]
+    numbers = dict(re.findall(r"(step|compute|communication|under compute|exposed) ([\d.]+)", profiled))
+    assert float(numbers["exposed"]) <= float(numbers["communication"]) <= float(numbers["step"]), profiled
+    losses = dict(re.findall(r"^(fp32 \(no hook\)|\w+_compress_hook): .*; loss [\d.]+ -> ([\d.]+)$", job.stdout, re.M))
+    assert set(losses) == {"fp32 (no hook)", "fp16_compress_hook", "bf16_compress_hook"}, job.stdout
+    assert all(abs(float(v) - float(losses["fp32 (no hook)"])) < 0.02 for v in losses.values()), losses
 
 
 def _ok(job) -> None:

@@ -28,7 +28,7 @@ import distlab.runtime
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 LABS = [pytest.param(path, id=path.stem) for path in NOTEBOOKS]
-SCRIPTS = {name: ROOT / "scripts" / name for name in ("ddp_train.py", "fsdp_train.py")}
+SCRIPTS = {name: ROOT / "scripts" / name for name in ("ddp_train.py", "fsdp_train.py", "profile_ddp.py")}
 TOLD = ("--device", "--backend")
 """The flags by which a launcher tells a rank where it runs; a lab passes each one its target takes."""
 

@@ -8,7 +8,8 @@ CUDA's caching allocator reports more, and ``nvidia-smi`` more again. Each numbe
 * **allocated before the step**: what the rank had allocated before the model was built and stays live through
   the step (the batch, cuBLAS's workspace): ``resident_before`` of a sweep's ``cuda_memory``;
 * **rounding and unseen**: up to ``torch.cuda.max_memory_allocated``: the allocator hands out blocks in multiples
-  of 512 bytes, and tensors the tracker never saw;
+  of 512 bytes, a large tensor's block up to 1 MiB more (a leftover too small to split off), and tensors the
+  tracker never saw;
 * **cached**: up to ``torch.cuda.max_memory_reserved``: segments the allocator took from CUDA and keeps for
   reuse, their freed blocks and the unusable ends of split ones (fragmentation, what
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` reduces);
@@ -86,10 +87,12 @@ def read_snapshot(snapshot: Mapping) -> dict[str, int]:
     """The allocator's state from one of its snapshots, in bytes: what ``memory_stats`` calls current.
 
     ``reserved``: every segment's size (what it took from CUDA); ``allocated``: its blocks in use by a tensor
-    (``active_allocated``); ``requested``: what those tensors asked for, before rounding; ``awaiting_free``: freed
-    blocks another stream may still use; ``cached``: the rest, free for reuse; ``largest_free``: the largest
-    free block, the largest tensor that fits without a new segment; ``segments``; ``streams``: how many streams
-    hold segments (FSDP2's all-gathers run on streams of their own, and a stream's segments serve only it).
+    (``active_allocated``); ``awaiting_free``: freed blocks another stream may still use; ``requested``: what the
+    tensors of both asked for, before rounding (``memory_stats`` drops a block's request only once it is free);
+    ``cached``: the rest, free for reuse; ``largest_free``: the largest free block (it serves only its own stream
+    and pool); ``segments``; ``streams``: how many streams hold segments (FSDP2's all-gathers run on streams of
+    their own). A snapshot holds every device's segments (``_snapshot`` ignores its device argument): these are
+    one device's numbers where the process used one GPU, as a rank of one GPU does.
     """
     segments = snapshot.get("segments")
     if segments is None:
@@ -103,9 +106,10 @@ def read_snapshot(snapshot: Mapping) -> dict[str, int]:
         found["reserved"] += segment["total_size"]
         streams.add(segment.get("stream", 0))
         for block in segment["blocks"]:
+            if block["state"] in ACTIVE_STATES:
+                found["requested"] += block.get("requested_size", block["size"])
             if block["state"] == "active_allocated":
                 found["allocated"] += block["size"]
-                found["requested"] += block.get("requested_size", block["size"])
             elif block["state"] == "active_awaiting_free":
                 found["awaiting_free"] += block["size"]
             else:
