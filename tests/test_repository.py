@@ -28,13 +28,21 @@ def test_ci_runs_the_readme_commands_the_site_tests_and_the_kaggle_stack_in_orde
     assert test in readme and build in readme
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci
-    for part in ("readme_tests", "readme_book", "site_tests", "kaggle_tier", "kaggle_default_tier"):
+    for part in (
+        "readme_tests",
+        "readme_book",
+        "site_tests",
+        "kaggle_tier_ddp_labs",
+        "kaggle_tier_other_labs",
+        "kaggle_default_tier",
+    ):
         assert f"{part}() {{" in ci, f".ci/run defines no {part}"
     assert f"readme_tests() {{ {test}; }}" in ci and f"readme_book() {{ {build}; }}" in ci
     calls = [line.split()[-1] for line in ci.splitlines() if line.startswith("timed ")]
     assert calls == ["main_stack", "lint", "readme_tests", "readme_book", "other_tiers", "last_parts"]
     # the slow and stress tiers alone; the site's tests and Kaggle's two tiers side by side after them
-    assert "side_by_side site_tests kaggle_tier kaggle_default_tier" in ci
+    assert "side_by_side site_tests kaggle_tier_ddp_labs kaggle_tier_other_labs kaggle_default_tier" in ci
+    assert '-k "$DDP_LABS"' in ci and '-k "not ($DDP_LABS)"' in ci  # the two halves: every lab in one of them
     assert 'DISTLAB_BUILT_PAGES="$PWD/_build/.jupyter_cache/executed"' in ci  # the slow tier reads the build's runs
     assert "ruff check src tests scripts" in ci and "ruff format --check src tests scripts" in ci
     assert "tests/test_site.py tests/test_browser.py" in ci and "DISTLAB_REQUIRE_SITE=1" in ci
