@@ -178,6 +178,29 @@ def test_an_option_that_cannot_apply_is_one_line(tmp_path, flags, says):
 # are rows of distlab.demos.bad_inputs.BAD_INPUTS, which tests/test_failures.py runs.
 
 
+@pytest.mark.parametrize(
+    "flags, says",
+    [(["--strategy", "single"], "runs on exactly 1 rank"), (["--strategy", "fsdp", "--fsdp-replicate", "3"], "divide")],
+    ids=["single_on_two", "replicas_that_do_not_divide"],
+)
+def test_a_job_of_the_wrong_size_is_refused_before_any_rank_connects(monkeypatch, flags, says):
+    """Rank 1 of 2, with no rendezvous to reach: it refuses before it makes the group, as every rank does. CI saw
+    the refusal made after the group: rank 0 left while rank 1 was still connecting, and rank 1 said so as well."""
+    from distlab import train
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the group, were it made, would fail on this instead
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("the group was made before the world size was checked")
+
+    monkeypatch.setattr(train, "distributed", no_group)
+    with pytest.raises(DistlabError, match=says):
+        train.main([*flags, "--device", "cpu", "--model", "cnn", "--dataset", "synthetic"])
+
+
 DEAD_RANK_SCRIPT = """
 import os, torch, torch.distributed as dist
 from distlab.runtime import distributed

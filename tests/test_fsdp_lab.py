@@ -24,6 +24,21 @@ def test_the_lab_writes_the_script_byte_for_byte():
     assert written_file(LAB, "fsdp_train.py") == SCRIPT.read_text()
 
 
+def test_a_memory_snapshot_asked_of_a_cpu_run_is_refused_by_the_parser(capsys):
+    """The snapshot records CUDA's allocator: on the CPU the script says so in one line (exit 2) before any rank
+    starts, rather than running without it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lab_script_fsdp_train", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as refused:
+        script.parse_args(["--device", "cpu", "--memory-snapshot", "snapshots"])
+    assert refused.value.code == 2
+    assert "--memory-snapshot records CUDA's allocator: use --device cuda" in capsys.readouterr().err
+    assert script.parse_args(["--device", "cuda", "--memory-snapshot", "snapshots"]).memory_snapshot == "snapshots"
+
+
 def _predicted_state(model: str, strategy: str, rank: int) -> int:
     meta = build_model(model, device="meta")
     units = shard_unit_shapes(meta)

@@ -90,6 +90,12 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (torchrun's ``WORLD_SIZE``; 1 without a launcher): known on every
+    rank before any group exists, so a job of the wrong size can be refused before its ranks connect."""
+    return _env_int("WORLD_SIZE", 1)
+
+
 CPU_LEG = "cpu:gloo,cuda:nccl"
 """What a CUDA group with NCCL is created with: NCCL for CUDA tensors, gloo for CPU ones (a step time, a flag,
 a count). NCCL alone refuses a CPU tensor ("No backend type associated with device type cpu")."""
@@ -255,7 +261,7 @@ def distributed(
     """
     launched = "WORLD_SIZE" in os.environ
     rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
+    world_size = launched_world_size()
     local_rank = _env_int("LOCAL_RANK", 0)
 
     placement = rank_placement(device, backend, _env_int("LOCAL_WORLD_SIZE", world_size))

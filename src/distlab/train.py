@@ -41,7 +41,7 @@ from .models import (
 )
 from .parallel import Strategy, full_state_dict, make_strategy
 from .parallel.compiled import compile_for_training, require_compiled
-from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, synchronize
+from .runtime import LOW_PRECISION, Runtime, distributed, gather_per_rank, launched_world_size, synchronize
 
 # The optimizer step whose memory is measured: the second, since the first
 # also creates the optimizer's state and DDP's buckets.
@@ -474,6 +474,9 @@ def train_and_record(cfg: TrainConfig, runtime: Runtime) -> None:
 
 @entry_point(TrainConfig, "distlab.train")
 def main(cfg: TrainConfig) -> None:
+    # Every rank refuses a job of the wrong size before it connects: a rank that refused after the group was
+    # made could leave while a slower peer was still connecting, and that peer then said so too (a second line).
+    make_strategy(cfg.parallel).check_world_size(launched_world_size())
     with distributed(cfg.parallel.device, cfg.parallel.backend, cfg.parallel.timeout_s) as runtime:
         # A function, so that the wrapped model, which holds the process group, is gone before the group is.
         train_and_record(cfg, runtime)
