@@ -124,3 +124,35 @@ def test_run_mains_collections_walk_what_main_made_and_free_its_cycles():
     walked, frozen, cycle = job.stdout.split()
     assert int(frozen) > 10 * int(walked), job.stdout  # torch's objects skipped
     assert cycle == "freed"  # by run_main's own collection, before the interpreter's
+
+
+QUIET_RANK = """
+import sys
+from distlab.errors import DistlabError, run_main
+
+def main(argv):
+    raise DistlabError("strategy single runs on exactly 1 rank(s)")
+
+run_main(main)
+"""
+
+
+def test_a_quiet_rank_waits_for_rank_0_to_report_the_mistake_and_leaves_when_torchrun_stops_it():
+    """Rank 1 of 2 hits the mistake rank 0 reports: it says nothing, and stays until torchrun's SIGTERM (which
+    comes once rank 0 has said it and left). Leaving at once, it had torchrun stop rank 0 before rank 0 said
+    anything (CI's slow tier, under load)."""
+    import signal
+    import time
+
+    env = {**launcher_environment(1), "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    rank = subprocess.Popen([sys.executable, "-c", QUIET_RANK], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(4.0)  # its imports, then the mistake: a rank that left at once has ended by now
+        assert rank.poll() is None, f"rank 1 left before rank 0 could say anything: {rank.stderr.read()}"
+        stopped = time.monotonic()
+        rank.send_signal(signal.SIGTERM)
+        _, err = rank.communicate(timeout=10)
+        assert time.monotonic() - stopped < 5 and rank.returncode != 0
+        assert "distlab:" not in err, err  # the mistake is rank 0's to report
+    finally:
+        rank.kill()

@@ -201,6 +201,11 @@ def report_collective_failure(err: BaseException, kind: str, rank: str, say) -> 
 SIGTERM_GRACE_S = 2.0
 """How long a rank torchrun stops with SIGTERM may take to end: long enough to say where it was."""
 
+QUIET_RANK_WAIT_S = 30.0
+"""How long a rank that leaves a mistake for rank 0 to report waits for it to. torchrun stops every rank the moment
+one fails: a quiet rank that left first stopped rank 0 before it said anything (it was still importing, under load
+in CI). Once rank 0 has said it and left, torchrun's SIGTERM ends the wait (after :data:`SIGTERM_GRACE_S`)."""
+
 
 @contextmanager
 def _grace_after_sigterm(seconds: float) -> Iterator[None]:
@@ -267,10 +272,13 @@ def run_main(main, argv=None) -> None:
         except DistlabError as err:
             if rank == "0" or err.every_rank:
                 say(f"distlab: error: {err}" if rank == "0" else f"distlab: error on rank {rank}: {err}")
-            if rank == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
-                # would break their connections while they are still setting up, and each would say so.
-                time.sleep(1.0)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                if rank == "0":
+                    # The other ranks make the same mistake a moment later and leave quietly; rank 0 leaving first
+                    # would break their connections while they are still setting up, and each would say so.
+                    time.sleep(1.0)
+                elif not err.every_rank:
+                    time.sleep(QUIET_RANK_WAIT_S)  # rank 0 says it and leaves; torchrun's SIGTERM ends this wait
             raise SystemExit(2) from None
         except _OUT_OF_MEMORY as err:
             first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
